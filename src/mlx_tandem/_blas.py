@@ -1,0 +1,58 @@
+"""Optimized BLAS for MLX's Linux CPU backend.
+
+MLX's Linux CPU wheel links a reference BLAS (~3.5 GFLOP/s float32 matmul on a
+2-core x86 machine).  Loading OpenBLAS with RTLD_GLOBAL *before* MLX initialises
+lets its cblas symbols win symbol resolution (~190 GFLOP/s measured).  This
+module owns that choice and reports it; `tandem doctor` shows the result.
+
+Environment: TANDEM_BLAS=auto (default) | off | /path/to/libblas.so
+Oracle: tests/test_blas.py checks greedy tokens are unchanged against mlx-lm.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+from dataclasses import dataclass
+
+_CANDIDATES = ("libopenblas.so.0", "libopenblas.so")
+
+
+@dataclass(frozen=True)
+class BlasInfo:
+    name: str  # "openblas", "reference", "accelerate", "<path>"
+    path: str | None
+    reason: str
+
+
+def preload_blas(setting: str | None = None) -> BlasInfo:
+    """Load an optimized BLAS into the global symbol namespace if it helps here."""
+    setting = (setting if setting is not None else os.environ.get("TANDEM_BLAS", "auto")).strip()
+    if sys.platform == "darwin":
+        return BlasInfo("accelerate", None, "macOS: MLX uses Accelerate/Metal")
+    if not sys.platform.startswith("linux"):
+        return BlasInfo("reference", None, f"no BLAS preload on {sys.platform}")
+    if setting.lower() == "off":
+        return BlasInfo("reference", None, "TANDEM_BLAS=off")
+    if "mlx.core" in sys.modules:
+        return BlasInfo(
+            "reference", None, "mlx was imported before mlx_tandem; import mlx_tandem first"
+        )
+    if setting.lower() != "auto":
+        try:
+            ctypes.CDLL(setting, mode=ctypes.RTLD_GLOBAL)
+        except OSError as err:
+            raise ValueError(f"TANDEM_BLAS={setting!r} could not be loaded: {err}") from err
+        return BlasInfo(os.path.basename(setting), setting, "TANDEM_BLAS path")
+    found = ctypes.util.find_library("openblas")
+    for name in (found, *_CANDIDATES):
+        if not name:
+            continue
+        try:
+            ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            continue
+        return BlasInfo("openblas", name, "preloaded before MLX")
+    return BlasInfo("reference", None, "OpenBLAS not found (apt-get install libopenblas0-pthread)")

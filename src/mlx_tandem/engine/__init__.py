@@ -1,0 +1,1 @@
+"""Engine layer: sampling, per-request output state, plain and batched generation."""

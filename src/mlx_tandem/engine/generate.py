@@ -1,0 +1,202 @@
+"""Plain (single-row) generation: the reference path every other engine is checked against.
+
+`decode_steps` mirrors mlx-lm's `generate_step` exactly — prefill all but the
+last prompt token in `prefill_step_size` chunks, then one-token steps with the
+next step queued (`async_eval`) before the current token is read — but runs
+through the graph binding and the keyed per-row sampler.
+`stream_generate` / `generate` add text, stop strings, EOS, logprobs, timing.
+
+Oracle: tests/test_generate_parity.py (tokens and per-step logprobs
+bit-identical to mlx-lm `generate_step` on tiny llama/qwen3/gemma3 and on
+real SmolLM2), tests/test_goldens.py (llama.cpp greedy tokens).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_tandem.engine.output import TextStream, TokenLogprob
+from mlx_tandem.engine.sampling import RowSampler, SamplingParams
+from mlx_tandem.models.graph import MlxLmGraph
+from mlx_tandem.models.loader import LoadedModel
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prompt_tps: float = 0.0
+    generation_tps: float = 0.0
+    ttft_s: float = 0.0
+    peak_memory_gb: float = 0.0
+
+
+@dataclass
+class GenerationChunk:
+    """One streamed piece: the text released by this token (may be empty)."""
+
+    text: str
+    token: int | None
+    logprob: TokenLogprob | None = None
+    finish_reason: str | None = None
+    stats: GenerationStats | None = None
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    prompt_tokens: list[int]
+    finish_reason: str
+    stats: GenerationStats
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+def check_prompt(prompt: list[int], max_tokens: int, context_length: int) -> None:
+    if not prompt:
+        raise ValueError("prompt is empty: need at least one token")
+    if len(prompt) + max_tokens > context_length:
+        raise ValueError(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the "
+            f"model's context window ({context_length} tokens)"
+        )
+
+
+def decode_steps(
+    graph: MlxLmGraph,
+    prompt: list[int],
+    sampler: RowSampler,
+    max_tokens: int,
+    prefill_step_size: int = 2048,
+    cache: list[Any] | None = None,
+) -> Iterator[tuple[int, mx.array]]:
+    """Yield (token, logprobs (1, V)) for up to max_tokens steps; the caller stops early."""
+    cache = graph.make_cache() if cache is None else cache
+    history = mx.array(prompt, dtype=mx.uint32) if sampler.needs_history else None
+    position = len(prompt)
+
+    def step(ids: mx.array, position: int) -> tuple[mx.array, mx.array]:
+        hidden = graph.forward_hidden(ids[None], cache)
+        logits = graph.project_logits(hidden, "last")[:, -1, :]
+        logprobs = sampler.logprobs(logits, history)
+        return sampler.sample(logprobs, position), logprobs
+
+    done = 0
+    while len(prompt) - done > 1:
+        n = min(prefill_step_size, len(prompt) - done - 1)
+        graph.forward_hidden(mx.array(prompt[done : done + n])[None], cache)
+        mx.eval([c.state for c in cache])
+        done += n
+        mx.clear_cache()
+    y, logprobs = step(mx.array(prompt[done:]), position)
+    mx.async_eval(y, logprobs)
+    for n in range(max_tokens):
+        if n + 1 < max_tokens:
+            if history is not None:
+                history = mx.concatenate([history, y.astype(mx.uint32)])
+            next_y, next_logprobs = step(y, position + 1)
+            mx.async_eval(next_y, next_logprobs)
+        yield y.item(), logprobs
+        if n % 256 == 255:
+            mx.clear_cache()
+        if n + 1 < max_tokens:
+            y, logprobs = next_y, next_logprobs
+            position += 1
+
+
+def top_logprobs(logprobs: mx.array, token: int, n: int) -> TokenLogprob:
+    row = logprobs.reshape(-1)
+    info = TokenLogprob(token=token, logprob=row[token].item())
+    if n > 0:
+        top = mx.argpartition(-row, kth=n - 1)[:n]
+        values = row[top]
+        order = mx.argsort(-values)
+        info.top = list(zip(top[order].tolist(), values[order].tolist(), strict=True))
+    return info
+
+
+def prompt_ids(model: LoadedModel, prompt: str | list[int]) -> list[int]:
+    """Ids as given, or a raw string encoded as mlx-lm does (BOS unless already present)."""
+    if not isinstance(prompt, str):
+        return list(prompt)
+    bos = model.tokenizer.bos_token
+    add_special = bos is None or not prompt.startswith(bos)
+    return list(model.tokenizer.encode(prompt, add_special_tokens=add_special))
+
+
+def stream_generate(
+    model: LoadedModel,
+    prompt: str | list[int],
+    params: SamplingParams | None = None,
+    *,
+    prefill_step_size: int = 2048,
+    **overrides: Any,
+) -> Iterator[GenerationChunk]:
+    """Generate text for one prompt (a string is encoded as-is, ids are used as given)."""
+    params = params or SamplingParams(**overrides)
+    prompt = prompt_ids(model, prompt)
+    check_prompt(prompt, params.max_tokens, model.context_length)
+    sampler = RowSampler(params, model.graph.vocab_size)
+    stop_ids = model.eos_token_ids | set(params.stop_token_ids)
+    text = TextStream(model.tokenizer, params.stop)
+    stats = GenerationStats(prompt_tokens=len(prompt))
+    start = time.perf_counter()
+    first = start
+    steps = decode_steps(model.graph, prompt, sampler, params.max_tokens, prefill_step_size)
+    finish: str | None = None
+    for n, (token, logprobs) in enumerate(steps):
+        if n == 0:
+            first = time.perf_counter()
+            stats.ttft_s = first - start
+            stats.prompt_tps = len(prompt) / max(stats.ttft_s, 1e-9)
+        if token in stop_ids:
+            delta, info, finish = text.finish(), None, "stop"
+        else:
+            info = top_logprobs(logprobs, token, params.logprobs) if params.logprobs else None
+            delta = text.add(token)
+            stats.generation_tokens += 1
+            if text.stopped:
+                finish = "stop"
+            elif n + 1 == params.max_tokens:
+                delta, finish = delta + text.finish(), "length"
+        if finish is None:
+            yield GenerationChunk(delta, token, info)
+            continue
+        elapsed = time.perf_counter() - first
+        stats.generation_tps = (stats.generation_tokens - 1) / elapsed if elapsed > 0 else 0.0
+        stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+        yield GenerationChunk(delta, None if token in stop_ids else token, info, finish, stats)
+        steps.close()
+        return
+
+
+def generate(
+    model: LoadedModel,
+    prompt: str | list[int],
+    params: SamplingParams | None = None,
+    **overrides: Any,
+) -> GenerationResult:
+    """Run `stream_generate` to the end and collect text, tokens, logprobs and stats."""
+    prefill_step_size = overrides.pop("prefill_step_size", 2048)
+    params = params or SamplingParams(**overrides)
+    prompt = prompt_ids(model, prompt)
+    pieces: list[str] = []
+    tokens: list[int] = []
+    logprobs: list[TokenLogprob] = []
+    for chunk in stream_generate(model, prompt, params, prefill_step_size=prefill_step_size):
+        pieces.append(chunk.text)
+        if chunk.token is not None:
+            tokens.append(chunk.token)
+        if chunk.logprob is not None:
+            logprobs.append(chunk.logprob)
+        if chunk.finish_reason is not None:
+            assert chunk.stats is not None
+            return GenerationResult(
+                "".join(pieces), tokens, prompt, chunk.finish_reason, chunk.stats, logprobs
+            )
+    raise AssertionError("stream_generate ended without a finish reason")

