@@ -5,10 +5,11 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 
-from conftest import TINY_ARCHS
 from mlx_tandem import SamplingParams, generate, stream_generate
 from mlx_tandem.engine.generate import decode_steps
 from mlx_tandem.engine.sampling import RowSampler
+
+from conftest import TINY_ARCHS
 
 PROMPT = [258, 71, 68, 75, 75, 78, 220, 86, 78, 81, 75, 67, 30, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
 
@@ -20,7 +21,11 @@ def _ours(m, prompt, params, n, step=2048):
 
 def _theirs(m, prompt, n, step=2048, processors=None):
     gen = generate_step(
-        mx.array(prompt), m.model, max_tokens=n, prefill_step_size=step, logits_processors=processors
+        mx.array(prompt),
+        m.model,
+        max_tokens=n,
+        prefill_step_size=step,
+        logits_processors=processors,
     )
     return [(t, lp) for t, lp in gen]
 

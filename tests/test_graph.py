@@ -1,10 +1,10 @@
 import mlx.core as mx
 import pytest
-
-from conftest import TINY_ARCHS
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_tandem.models.graph import bind_graph
+
+from conftest import TINY_ARCHS
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)

@@ -17,7 +17,6 @@ from typing import Any, Literal, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
 
 Which = Literal["last", "all"] | mx.array
 

@@ -75,8 +75,10 @@ def make_tiny_model(arch: str, folder: Path, seed: int = 0, **overrides: Any) ->
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
     # Sharper than the default init, so greedy decoding has clear (non-tied) argmaxes.
-    params = {k: v * 4.0 if k.endswith("embed_tokens.weight") else v
-              for k, v in tree_flatten(model.parameters())}
+    params = {
+        k: v * 4.0 if k.endswith("embed_tokens.weight") else v
+        for k, v in tree_flatten(model.parameters())
+    }
     if arch == "gemma3_text":
         params.pop("lm_head.weight", None)  # tied, as in the real model
     folder.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,43 @@
+"""`tandem` entry point: one subcommand per module, one error boundary for all of them.
+
+Every user error (unknown model, bad flag value, missing/corrupt GGUF, prompt
+too long) reaches the user as one line `tandem: error: ...` and exit code 2;
+tracebacks are reserved for bugs.  Oracle: tests/test_cli.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import mlx_tandem  # noqa: F401  (BLAS preload before any mlx import)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from mlx_tandem.cli import chat, doctor, generate, models
+
+    parser = argparse.ArgumentParser(
+        prog="tandem", description="mlx-tandem: batched, lossless speculative LLM inference on MLX"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for module in (generate, chat, models, doctor):
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except KeyboardInterrupt:
+        print("tandem: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError, RuntimeError, OSError) as err:
+        print(f"tandem: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""`tandem models`: the built-in catalogue, what is fetched and what is prepared."""
+
+from __future__ import annotations
+
+import argparse
+
+from mlx_tandem.models import catalogue
+from mlx_tandem.models.loader import prepared_models
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("models", help="list catalogue models and prepared conversions")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    prepared = prepared_models()
+    print(f"catalogue (home: {catalogue.tandem_home()}):")
+    for entry in catalogue.CATALOGUE.values():
+        fetched = catalogue.gguf_path(entry).exists()
+        dtypes = [
+            p.name.removeprefix(entry.name + "-")
+            for p in prepared
+            if p.name.startswith(entry.name + "-")
+        ]
+        state = "fetched" if fetched else "not fetched"
+        ready = f"; prepared: {', '.join(dtypes)}" if dtypes else ""
+        default = " (default)" if entry.name == catalogue.DEFAULT_MODEL else ""
+        print(f"  {entry.name:<14} {entry.description}{default} [{state}{ready}]")
+    others = [
+        p for p in prepared if not any(p.name.startswith(e + "-") for e in catalogue.CATALOGUE)
+    ]
+    if others:
+        print("other prepared models:")
+        for p in others:
+            print(f"  {p}")
+    return 0

@@ -1,0 +1,114 @@
+"""The `tandem` CLI: --json output, mlx_lm-compatible flags, one-line errors and exit codes."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mlx_tandem.cli.main import main
+from mlx_tandem.models.tiny import make_tiny_model, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return make_tiny_model(
+        "llama", tmp_path_factory.mktemp("cli") / "m", max_position_embeddings=64
+    )
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_json(capsys, tiny_folder):
+    code, out, _ = run_cli(
+        capsys,
+        "generate",
+        "--model",
+        str(tiny_folder),
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "6",
+        "--json",
+    )
+    assert code == 0
+    obj = json.loads(out)
+    assert len(obj["tokens"]) == 6 and obj["finish_reason"] == "length"
+    # chat template applied: <|user|>hi<|assistant|>
+    assert obj["prompt_tokens"][0] == 258 and obj["prompt_tokens"][-1] == 259
+    assert set(obj["timing"]) >= {"ttft_s", "prompt_tps", "generation_tps"}
+
+
+def test_generate_ignore_chat_template_and_verbose_false(capsys, tiny_folder):
+    code, out, _ = run_cli(
+        capsys,
+        "generate",
+        "--model",
+        str(tiny_folder),
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "4",
+        "--ignore-chat-template",
+        "--json",
+    )
+    assert code == 0 and json.loads(out)["prompt_tokens"] == tiny_tokenizer().encode("hi").ids
+    code, out, _ = run_cli(
+        capsys,
+        "generate",
+        "--model",
+        str(tiny_folder),
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "4",
+        "--verbose",
+        "False",
+    )
+    assert code == 0 and "==========" not in out and "Generation:" not in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+        (["--model", "/nonexistent/x.gguf"], "GGUF file not found"),
+        (["--temp", "-1"], "temperature"),
+        (["--top-p", "1.5"], "top_p"),
+        (["--top-k", "-2"], "top_k"),
+        (["--max-tokens", "0"], "max_tokens"),
+        (["--max-tokens", "100"], "context window"),
+        (["--logit-bias", "[1]"], "logit-bias"),
+        (["--dtype", "q4"], "re-quantizes GGUF imports only"),
+    ],
+)
+def test_errors_are_one_line(capsys, tiny_folder, argv, needle):
+    base = ["generate", "--model", str(tiny_folder), "--prompt", "hello", "--max-tokens", "4"]
+    code, _, err = run_cli(capsys, *base, *argv)
+    assert code == 2
+    assert needle in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_error_from_a_real_process_has_no_traceback(tmp_path):
+    bad = tmp_path / "trunc.gguf"
+    bad.write_bytes(b"GGUF\x03\x00")
+    done = subprocess.run(
+        [sys.executable, "-m", "mlx_tandem.cli.main", "generate", "--model", str(bad)],
+        capture_output=True,
+        text=True,
+        env={"TANDEM_HOME": str(tmp_path), "PATH": ""},
+    )
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr and "truncated or corrupt" in done.stderr
+
+
+def test_doctor_and_models(capsys):
+    code, out, _ = run_cli(capsys, "doctor", "--size", "64")
+    assert code == 0 and "blas:" in out and "GFLOP/s" in out
+    code, out, _ = run_cli(capsys, "models")
+    assert code == 0 and "smollm2-135m" in out and "gemma3-270m" in out
