@@ -45,6 +45,21 @@ ARCHS: dict[str, dict[str, Any]] = {
         "sliding_window": 16,
         "sliding_window_pattern": 2,
     },
+    # hybrid: short-convolution recurrent layers (ArraysCache) + attention layers
+    "lfm2": {
+        "model_type": "lfm2",
+        "rope_theta": 1000000.0,
+        "norm_eps": 1e-5,
+        "conv_bias": False,
+        "conv_L_cache": 3,
+        "block_dim": 64,
+        "block_ff_dim": 128,
+        "block_multiple_of": 16,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_auto_adjust_ff_dim": False,
+        "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+        "tie_word_embeddings": True,
+    },
 }
 
 

@@ -1,0 +1,92 @@
+"""RuntimeConfig: every engine knob, read from CLI flags and TANDEM_* variables in one place.
+
+Precedence: explicit keyword/flag > environment variable > default. Values are
+validated here, before any engine state exists.
+
+    TANDEM_MAX_ROWS           rows decoded together (default 16)
+    TANDEM_PREFILL_CHUNK      prompt tokens per prefill chunk (default: auto, PrefillPolicy)
+    TANDEM_MEMORY_BUDGET      KV-cache budget, bytes or with K/M/G suffix (default: auto)
+    TANDEM_MAX_QUEUE          waiting requests before submit refuses (default 256)
+    TANDEM_BATCH_INVARIANT    1/0: pad forwards so a row's arithmetic never depends on
+                              the batch (default 1; 0 is faster at small batch, not exact)
+    TANDEM_COMPILED_DECODE    1/0: mx.compile the attention kernel (default 0, see BENCHMARKS)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    t = text.strip().lower().removesuffix("b").removesuffix("i")
+    scale = _UNITS.get(t[-1:], 1)
+    number = t[:-1] if t[-1:] in _UNITS else t
+    try:
+        value = int(float(number) * scale)
+    except ValueError:
+        raise ValueError(f"memory size {text!r} is not a number of bytes (e.g. 4G, 512M)") from None
+    if value <= 0:
+        raise ValueError(f"memory size {text!r} must be positive")
+    return value
+
+
+def _bool(text: str, name: str) -> bool:
+    t = text.strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={text!r}: expected 1/0, true/false, on/off")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    max_rows: int = 16
+    prefill_chunk: int | None = None
+    memory_budget: int | None = None
+    max_queue: int = 256
+    batch_invariant: bool = True
+    compiled_decode: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {self.max_rows}")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise ValueError(f"memory_budget must be positive, got {self.memory_budget}")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+
+    @classmethod
+    def resolve(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> RuntimeConfig:
+        """Defaults, then TANDEM_* variables, then explicit overrides that are not None."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get(f"TANDEM_{f.name.upper()}")
+            if raw is None or raw == "":
+                continue
+            name = f"TANDEM_{f.name.upper()}"
+            if f.name == "memory_budget":
+                values[f.name] = parse_bytes(raw)
+            elif f.name in ("batch_invariant", "compiled_decode"):
+                values[f.name] = _bool(raw, name)
+            else:
+                try:
+                    values[f.name] = int(raw)
+                except ValueError:
+                    raise ValueError(f"{name}={raw!r} is not an integer") from None
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        unknown = set(values) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown runtime settings: {', '.join(sorted(unknown))}")
+        return cls(**values)
+
+    def with_(self, **changes: Any) -> RuntimeConfig:
+        return replace(self, **changes)

@@ -1,0 +1,255 @@
+"""Engine: the continuously batched step loop over a cohort of rows.
+
+    step():  inbox -> admit -> one prefill chunk -> decode all running rows -> postprocess
+
+The cohort is `self.running` (Requests, one per row, in row order) and
+`self.rows` (their StateRows); they are filtered together, by one index list.
+Joining rows are prefilled alone, one chunk per step, so a long prompt never
+stalls running rows for more than one chunk, and merge into the cohort with
+their last prompt token pending: the next decode feeds it and samples from
+its logits, exactly as plain decoding does.
+
+Threading: `submit`/`cancel` may be called from any thread; they only put
+messages in the inbox. Everything else runs on the engine thread (or on the
+caller's thread when the engine is stepped by hand, `threaded=False`).
+
+Oracle: tests/test_engine.py — every row's tokens in a cohort equal the same
+request run alone, with rows joining and leaving at random steps.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_tandem.engine.config import RuntimeConfig
+from mlx_tandem.engine.generate import check_prompt
+from mlx_tandem.engine.output import TextStream
+from mlx_tandem.engine.postprocess import accept_tokens, sample_rows
+from mlx_tandem.engine.prefill import PrefillPolicy
+from mlx_tandem.engine.request import Request, RequestHandle, RequestOutput, Status
+from mlx_tandem.engine.runner import ModelRunner
+from mlx_tandem.engine.sampling import RowSampler, SamplingParams
+from mlx_tandem.engine.scheduler import MemoryModel, Scheduler
+from mlx_tandem.kv.state_rows import StateRows
+from mlx_tandem.models.loader import LoadedModel
+
+
+class Engine:
+    def __init__(
+        self, model: LoadedModel, config: RuntimeConfig | None = None, threaded: bool = True
+    ) -> None:
+        self.model = model
+        self.config = config or RuntimeConfig.resolve()
+        self.runner = ModelRunner(model, batch_invariant=self.config.batch_invariant)
+        memory = measure_memory(self.runner)
+        budget = self.config.memory_budget or default_budget(model)
+        self.prefill_policy = PrefillPolicy.resolve(model.config, self.config, budget)
+        self.scheduler = Scheduler(self.config.max_rows, budget, memory, self.config.max_queue)
+        self.running: list[Request] = []
+        self.rows: StateRows = self.runner.empty_rows()
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._in_transit = 0  # submitted, not yet seen by the engine thread
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if threaded:
+            self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
+            self._thread.start()
+
+    # --- any thread -------------------------------------------------------------------
+    def submit(
+        self, prompt: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> RequestHandle:
+        """Validate and queue a request; raises ValueError (QueueFull) before any state changes."""
+        check_prompt(prompt, params.max_tokens, self.model.context_length)
+        sampler = RowSampler(params, self.model.graph.vocab_size)
+        request = Request(
+            prompt,
+            params,
+            sampler,
+            TextStream(self.model.tokenizer, params.stop),
+            self.model.eos_token_ids | set(params.stop_token_ids),
+            request_id,
+        )
+        with self._lock:
+            self.scheduler.check(request, queued=self._in_transit)
+            self._in_transit += 1
+            self._inbox.put(("submit", request))
+        self._wake.set()
+        return RequestHandle(request, self)
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id))
+        self._wake.set()
+
+    def shutdown(self, drain: bool = False, timeout: float | None = None) -> None:
+        """Stop the loop; with drain, first let admitted and queued requests finish."""
+        if drain:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while self.busy() and (deadline is None or time.monotonic() < deadline):
+                time.sleep(0.01)
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+        for request in [*self.running, *self.scheduler.joining, *self.scheduler.waiting]:
+            self._finish(request, "cancelled")
+
+    def busy(self) -> bool:
+        return bool(
+            self.running
+            or self.scheduler.joining
+            or self.scheduler.waiting
+            or not self._inbox.empty()
+        )
+
+    # --- engine thread ----------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self.step():
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+    def step(self) -> bool:
+        """One engine step; returns False when there was nothing to do."""
+        self._drain_inbox()
+        self.scheduler.admit(len(self.running))
+        worked = self._prefill_chunk()
+        if self.running:
+            self._decode()
+            worked = True
+        return worked
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
+        for _ in range(max_steps):
+            if not self.step() and not self.busy():
+                return
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "submit":
+                with self._lock:
+                    self._in_transit -= 1
+                    self.scheduler.add(item)
+            else:
+                self._cancel(item)
+
+    def _cancel(self, request_id: str) -> None:
+        request = self.scheduler.remove_waiting(request_id)
+        if request is None:
+            request = next((r for r in self.scheduler.joining if r.id == request_id), None)
+            if request is not None:
+                self.scheduler.joining.remove(request)
+        if request is not None:
+            self._finish(request, "cancelled")
+            return
+        for i, r in enumerate(self.running):
+            if r.id == request_id:
+                self._finish(r, "cancelled")
+                self._keep([j for j in range(len(self.running)) if j != i])
+                return
+
+    def _prefill_chunk(self) -> bool:
+        """Advance the oldest joining request by one chunk; join the cohort when done."""
+        if not self.scheduler.joining:
+            return False
+        request = self.scheduler.joining[0]
+        try:
+            if request.joining is None:
+                request.joining = self.runner.blank_row()
+            todo = request.prompt[request.prefilled : len(request.prompt) - 1]
+            piece = todo[: self.prefill_policy.chunk]
+            if piece:
+                self.runner.prefill(request.joining, piece, self.prefill_policy.chunk)
+                request.prefilled += len(piece)
+            if request.prefilled == len(request.prompt) - 1:
+                change = self.rows.prepare_append([request.joining])
+                try:
+                    change.commit()
+                finally:
+                    change.dispose()
+                self.scheduler.joining.pop(0)
+                request.joining = None
+                request.status = Status.RUNNING
+                self.running.append(request)
+        except Exception as err:  # the cohort is untouched: the row never joined
+            self.scheduler.joining.remove(request)
+            request.joining = None
+            self._finish(request, "error", error=f"{type(err).__name__}: {err}")
+        return True
+
+    def _decode(self) -> None:
+        ids = mx.array([[r.pending] for r in self.running], dtype=mx.int32)
+        hidden = self.runner.forward(self.rows, ids)
+        logits = self.runner.logits(hidden, len(self.running))[:, -1]
+        tokens, logprobs = sample_rows(self.running, logits)
+        keep = []
+        for i, request in enumerate(self.running):
+            out = accept_tokens(request, [tokens[i]], [logprobs[i]])
+            request.emit(out)
+            if out.finish_reason is None:
+                keep.append(i)
+            else:
+                self._finish(request, out.finish_reason, emitted=True)
+        self._keep(keep)
+
+    def _keep(self, keep: list[int]) -> None:
+        if len(keep) != len(self.running):
+            self.rows.filter_rows(keep)
+            self.running = [self.running[i] for i in keep]
+
+    def _finish(
+        self, request: Request, reason: str, error: str | None = None, emitted: bool = False
+    ) -> None:
+        request.status = Status.FINISHED
+        request.finish_reason = request.finish_reason or reason
+        request.stats.finished = time.perf_counter()
+        self.scheduler.release(request)
+        if not emitted:
+            request.emit(
+                RequestOutput(
+                    request.id, "", [], finish_reason=reason, error=error, stats=request.stats
+                )
+            )
+
+
+def measure_memory(runner: ModelRunner) -> MemoryModel:
+    """KV bytes per token and fixed bytes per row, from one real one-token forward."""
+    from mlx_tandem.kv.row_cache import RowKVCache
+
+    row = runner.blank_row()
+    runner.graph.forward_hidden(mx.array([[0]], dtype=mx.int32), row.layers)
+    per_token = per_row = 0
+    for leaf in row.leaves():
+        if isinstance(leaf, RowKVCache):
+            per_token += sum(a.nbytes for a in leaf.state) // leaf.keys.shape[2]
+        else:
+            per_row += sum(a.nbytes for a in leaf.cache if a is not None)
+    return MemoryModel(per_token=per_token, per_row=per_row)
+
+
+def default_budget(model: LoadedModel) -> int:
+    """Half of the device's memory, minus the weights, at least 256 MiB."""
+    try:
+        total = int(mx.device_info()["memory_size"])
+    except (AttributeError, KeyError, RuntimeError):
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    weights = sum(a.nbytes for a in _arrays(model.model.parameters()))
+    return max(256 << 20, total // 2 - weights)
+
+
+def _arrays(tree: Any) -> list[mx.array]:
+    from mlx.utils import tree_flatten
+
+    return [v for _, v in tree_flatten(tree)]

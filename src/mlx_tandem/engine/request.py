@@ -1,0 +1,144 @@
+"""Request: everything the engine knows about one request lives in this one object.
+
+The cohort is a list of Requests plus one StateRows; filtering the cohort
+filters both with the same index list, and no other per-row list exists.
+A request's row state while it is being prefilled (`joining`) is its own
+one-row StateRows; it merges into the cohort only when prefill completes.
+
+`RequestHandle` is the caller's side: iterate it (sync or async) for
+`RequestOutput` events, `cancel()` it, or `result()` to wait for the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import queue
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+
+from mlx_tandem.engine.output import TextStream, TokenLogprob
+from mlx_tandem.engine.sampling import RowSampler, SamplingParams
+from mlx_tandem.kv.state_rows import StateRows
+
+if TYPE_CHECKING:
+    from mlx_tandem.engine.engine import Engine
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    """One event: tokens accepted this step and the text they released."""
+
+    request_id: str
+    text: str
+    tokens: list[int]
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    error: str | None = None
+    stats: RequestStats | None = None
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    arrival: float = 0.0
+    first_token: float | None = None
+    finished: float | None = None
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def ttft_s(self) -> float:
+        return (self.first_token or self.arrival) - self.arrival
+
+    @property
+    def generation_tps(self) -> float:
+        if self.first_token is None or self.finished is None or self.generation_tokens < 2:
+            return 0.0
+        return (self.generation_tokens - 1) / max(self.finished - self.first_token, 1e-9)
+
+
+class Request:
+    def __init__(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        sampler: RowSampler,
+        text: TextStream,
+        stop_ids: set[int],
+        request_id: str | None = None,
+    ) -> None:
+        self.id = request_id or f"req-{next(_ids)}"
+        self.prompt = prompt
+        self.params = params
+        self.sampler = sampler
+        self.text = text
+        self.stop_ids = stop_ids
+        self.status = Status.WAITING
+        self.tokens: list[int] = []
+        self.prefilled = 0  # prompt tokens already in `joining`
+        self.joining: StateRows | None = None
+        self.pending = prompt[-1]  # the next token to feed; its logits give the next sample
+        self.history = mx.array(prompt, dtype=mx.uint32) if sampler.needs_history else None
+        self.finish_reason: str | None = None
+        self.stats = RequestStats(prompt_tokens=len(prompt), arrival=time.perf_counter())
+        self.events: queue.Queue[RequestOutput] = queue.Queue()
+
+    @property
+    def position(self) -> int:
+        """Absolute position of the next token to sample (keys the row's randomness)."""
+        return len(self.prompt) + len(self.tokens)
+
+    def emit(self, out: RequestOutput) -> None:
+        self.events.put(out)
+
+
+class RequestHandle:
+    """The submitter's view of a request: events, cancel, result."""
+
+    def __init__(self, request: Request, engine: Engine) -> None:
+        self.request = request
+        self.engine = engine
+        self.id = request.id
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while True:
+            out = self.request.events.get()
+            yield out
+            if out.finish_reason is not None:
+                return
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while True:
+            out = await asyncio.to_thread(self.request.events.get)
+            yield out
+            if out.finish_reason is not None:
+                return
+
+    def cancel(self) -> None:
+        self.engine.cancel(self.id)
+
+    def result(self) -> tuple[str, list[int], RequestOutput]:
+        """Block until the request ends: (text, tokens, final event)."""
+        text, tokens, last = "", [], None
+        for out in self:
+            text += out.text
+            tokens += out.tokens
+            last = out
+        assert last is not None
+        return text, tokens, last

@@ -1,0 +1,1 @@
+"""KV layer: per-row cache storage, batch-invariant attention, the state-rows contract."""

@@ -1,0 +1,198 @@
+"""The batched rows engine: every row's tokens in any cohort equal that request run alone."""
+
+import random
+
+import pytest
+
+from mlx_tandem import SamplingParams
+from mlx_tandem.engine.config import RuntimeConfig
+from mlx_tandem.engine.engine import Engine
+from mlx_tandem.engine.scheduler import QueueFull
+
+from conftest import TINY_ARCHS
+
+ENGINE_ARCHS = (*TINY_ARCHS, "lfm2")
+
+
+def make_prompts(n, seed=0):
+    rng = random.Random(seed)
+    lengths = [rng.choice([1, 2, 5, 17, 40, 90, 150]) for _ in range(n)]
+    return [[rng.randrange(3, 250) for _ in range(k)] for k in lengths]
+
+
+def make_params(n, seed=0):
+    rng = random.Random(seed + 1)
+    out = []
+    for i in range(n):
+        max_tokens = rng.randrange(3, 16)
+        if i % 3 == 1:
+            out.append(SamplingParams(max_tokens=max_tokens, temperature=0.9, top_p=0.9, seed=i))
+        elif i % 3 == 2:
+            out.append(
+                SamplingParams(
+                    max_tokens=max_tokens,
+                    temperature=1.3,
+                    top_k=20,
+                    seed=100 + i,
+                    repetition_penalty=1.2,
+                )
+            )
+        else:
+            out.append(SamplingParams(max_tokens=max_tokens))
+    return out
+
+
+def run_alone(model, prompt, params, config):
+    engine = Engine(model, config, threaded=False)
+    handle = engine.submit(prompt, params)
+    engine.run_until_idle()
+    return handle.result()[1]
+
+
+def run_together(model, prompts, params, config, seed=0):
+    """Submit with random gaps so rows join (and, with different max_tokens, leave) mid-flight."""
+    rng = random.Random(seed)
+    engine = Engine(model, config, threaded=False)
+    handles = []
+    for p, sp in zip(prompts, params, strict=True):
+        handles.append(engine.submit(p, sp))
+        for _ in range(rng.randrange(3)):
+            engine.step()
+    engine.run_until_idle()
+    assert engine.rows.row_count == 0 and engine.scheduler.reserved == 0
+    return [h.result()[1] for h in handles]
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model):
+    cache = {}
+
+    def get(arch, chunk, n):
+        key = (arch, chunk, n)
+        if key not in cache:
+            m = tiny_model(arch)
+            cfg = RuntimeConfig.resolve(environ={}, prefill_chunk=chunk, max_rows=1)
+            cache[key] = [
+                run_alone(m, p, sp, cfg)
+                for p, sp in zip(make_prompts(n), make_params(n), strict=True)
+            ]
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", ENGINE_ARCHS)
+@pytest.mark.parametrize("chunk", [16, 4096])
+def test_rows_in_a_cohort_equal_rows_alone(tiny_model, references, arch, chunk):
+    m = tiny_model(arch)
+    n = 16
+    ref = references(arch, chunk, n)
+    for max_rows in (3, 16):
+        cfg = RuntimeConfig.resolve(environ={}, prefill_chunk=chunk, max_rows=max_rows)
+        got = run_together(m, make_prompts(n), make_params(n), cfg, seed=max_rows)
+        assert got == ref, f"max_rows={max_rows}"
+
+
+def test_chunked_prefill_changes_nothing(tiny_model, references):
+    assert references("llama", 16, 16) == references("llama", 4096, 16)
+
+
+def test_cancel_stops_within_one_step_and_frees_the_row(tiny_model):
+    m = tiny_model("llama")
+    engine = Engine(m, RuntimeConfig.resolve(environ={}), threaded=False)
+    keep = engine.submit([5, 6, 7], SamplingParams(max_tokens=40))
+    drop = engine.submit([8, 9, 10, 11], SamplingParams(max_tokens=40))
+    for _ in range(4):
+        engine.step()
+    assert engine.rows.row_count == 2
+    reserved = engine.scheduler.reserved
+    drop.cancel()
+    engine.step()
+    assert engine.rows.row_count == 1 and engine.scheduler.reserved < reserved
+    _, tokens, last = drop.result()
+    assert last.finish_reason == "cancelled" and len(tokens) <= 4
+    engine.run_until_idle()
+    cfg = RuntimeConfig.resolve(environ={})
+    assert keep.result()[1] == run_alone(m, [5, 6, 7], SamplingParams(max_tokens=40), cfg)
+
+
+def test_failed_admission_leaves_running_rows_untouched(tiny_model, monkeypatch):
+    m = tiny_model("gemma3_text")
+    cfg = RuntimeConfig.resolve(environ={}, prefill_chunk=8)
+    prompts, params = make_prompts(4, seed=5), [SamplingParams(max_tokens=20)] * 4
+    ref = [run_alone(m, p, sp, cfg) for p, sp in zip(prompts, params, strict=True)]
+    engine = Engine(m, cfg, threaded=False)
+    poison = [7] * 33
+    original = engine.runner.prefill
+
+    def failing(rows, ids, chunk):
+        if ids and ids[0] == 7 and len(set(ids)) == 1:
+            raise RuntimeError("injected prefill failure")
+        return original(rows, ids, chunk)
+
+    monkeypatch.setattr(engine.runner, "prefill", failing)
+    handles = [engine.submit(p, sp) for p, sp in zip(prompts[:2], params[:2], strict=True)]
+    for _ in range(3):
+        engine.step()
+    bad = engine.submit(poison, SamplingParams(max_tokens=5))
+    handles += [engine.submit(p, sp) for p, sp in zip(prompts[2:], params[2:], strict=True)]
+    engine.run_until_idle()
+    _, tokens, last = bad.result()
+    assert last.finish_reason == "error" and "injected" in last.error and tokens == []
+    assert [h.result()[1] for h in handles] == ref
+
+
+def test_requests_that_cannot_fit_are_refused_at_submit(tiny_model):
+    m = tiny_model("llama")
+    engine = Engine(
+        m, RuntimeConfig.resolve(environ={}, memory_budget=1 << 20, max_queue=2), threaded=False
+    )
+    with pytest.raises(ValueError, match="KV cache"):
+        engine.submit([1] * 10, SamplingParams(max_tokens=4000))
+    with pytest.raises(ValueError, match="context window"):
+        engine.submit([1] * 10, SamplingParams(max_tokens=m.context_length))
+    engine.submit([1, 2], SamplingParams(max_tokens=2))
+    engine.submit([1, 2], SamplingParams(max_tokens=2))
+    with pytest.raises(QueueFull):
+        engine.submit([1, 2], SamplingParams(max_tokens=2))
+    engine.run_until_idle()
+
+
+def test_memory_budget_limits_rows_and_everything_still_finishes(tiny_model):
+    m = tiny_model("llama")
+    probe = Engine(m, RuntimeConfig.resolve(environ={}), threaded=False)
+    per_request = probe.scheduler.memory.row_bytes(3 + 10)
+    cfg = RuntimeConfig.resolve(environ={}, memory_budget=2 * per_request + 1)
+    engine = Engine(m, cfg, threaded=False)
+    handles = [engine.submit([3, 4, 5], SamplingParams(max_tokens=10)) for _ in range(5)]
+    peak = 0
+    while engine.busy():
+        engine.step()
+        peak = max(peak, engine.rows.row_count + len(engine.scheduler.joining))
+    assert peak == 2
+    assert all(len(h.result()[1]) == 10 for h in handles)
+
+
+def test_threaded_engine_and_async_iteration(tiny_model):
+    import asyncio
+
+    m = tiny_model("qwen3")
+    cfg = RuntimeConfig.resolve(environ={})
+    prompts, params = make_prompts(6, seed=9), make_params(6, seed=9)
+    ref = [run_alone(m, p, sp, cfg) for p, sp in zip(prompts, params, strict=True)]
+    engine = Engine(m, cfg)
+    try:
+
+        async def collect(handle):
+            tokens = []
+            async for out in handle:
+                tokens += out.tokens
+            return tokens
+
+        async def main():
+            handles = [engine.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
+            return await asyncio.gather(*(collect(h) for h in handles))
+
+        assert asyncio.run(main()) == ref
+    finally:
+        engine.shutdown()
