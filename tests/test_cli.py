@@ -112,3 +112,28 @@ def test_doctor_and_models(capsys):
     assert code == 0 and "blas:" in out and "GFLOP/s" in out
     code, out, _ = run_cli(capsys, "models")
     assert code == 0 and "smollm2-135m" in out and "gemma3-270m" in out
+
+
+def test_batch_json_lines_equal_each_prompt_alone(capsys, tiny_folder):
+    base = ["generate", "--model", str(tiny_folder), "--max-tokens", "6", "--json"]
+    code, out, _ = run_cli(capsys, *base, "-p", "hi", "-p", "a longer prompt", "-p", "x")
+    assert code == 0
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["index"] for r in rows] == [0, 1, 2]
+    for r, text in zip(rows, ["hi", "a longer prompt", "x"], strict=True):
+        code, single, _ = run_cli(capsys, *base, "-p", text, "--engine", "rows")
+        assert code == 0 and json.loads(single)["tokens"] == r["tokens"]
+
+
+def test_prompts_file_and_engine_flag_errors(capsys, tiny_folder, tmp_path):
+    f = tmp_path / "prompts.txt"
+    f.write_text("one\n\ntwo\n")
+    code, out, _ = run_cli(capsys, "generate", "--model", str(tiny_folder), "--prompts-file", str(f),
+                           "--max-tokens", "3", "--json")
+    assert code == 0 and len(out.splitlines()) == 2
+    code, _, err = run_cli(capsys, "generate", "--model", str(tiny_folder), "-p", "a", "-p", "b",
+                           "--engine", "plain")
+    assert code == 2 and "--engine plain" in err
+    code, _, err = run_cli(capsys, "generate", "--model", str(tiny_folder), "-p", "a", "-p", "b",
+                           "--max-rows", "0")
+    assert code == 2 and "max_rows" in err

@@ -46,7 +46,7 @@ def run_alone(model, prompt, params, config):
     engine = Engine(model, config, threaded=False)
     handle = engine.submit(prompt, params)
     engine.run_until_idle()
-    return handle.result()[1]
+    return handle.result().tokens
 
 
 def run_together(model, prompts, params, config, seed=0):
@@ -60,7 +60,7 @@ def run_together(model, prompts, params, config, seed=0):
             engine.step()
     engine.run_until_idle()
     assert engine.rows.row_count == 0 and engine.scheduler.reserved == 0
-    return [h.result()[1] for h in handles]
+    return [h.result().tokens for h in handles]
 
 
 @pytest.fixture(scope="module")
@@ -109,11 +109,11 @@ def test_cancel_stops_within_one_step_and_frees_the_row(tiny_model):
     drop.cancel()
     engine.step()
     assert engine.rows.row_count == 1 and engine.scheduler.reserved < reserved
-    _, tokens, last = drop.result()
-    assert last.finish_reason == "cancelled" and len(tokens) <= 4
+    res = drop.result()
+    assert res.finish_reason == "cancelled" and len(res.tokens) <= 4
     engine.run_until_idle()
     cfg = RuntimeConfig.resolve(environ={})
-    assert keep.result()[1] == run_alone(m, [5, 6, 7], SamplingParams(max_tokens=40), cfg)
+    assert keep.result().tokens == run_alone(m, [5, 6, 7], SamplingParams(max_tokens=40), cfg)
 
 
 def test_failed_admission_leaves_running_rows_untouched(tiny_model, monkeypatch):
@@ -137,9 +137,9 @@ def test_failed_admission_leaves_running_rows_untouched(tiny_model, monkeypatch)
     bad = engine.submit(poison, SamplingParams(max_tokens=5))
     handles += [engine.submit(p, sp) for p, sp in zip(prompts[2:], params[2:], strict=True)]
     engine.run_until_idle()
-    _, tokens, last = bad.result()
-    assert last.finish_reason == "error" and "injected" in last.error and tokens == []
-    assert [h.result()[1] for h in handles] == ref
+    res = bad.result()
+    assert res.finish_reason == "error" and "injected" in res.error and res.tokens == []
+    assert [h.result().tokens for h in handles] == ref
 
 
 def test_requests_that_cannot_fit_are_refused_at_submit(tiny_model):
@@ -170,7 +170,7 @@ def test_memory_budget_limits_rows_and_everything_still_finishes(tiny_model):
         engine.step()
         peak = max(peak, engine.rows.row_count + len(engine.scheduler.joining))
     assert peak == 2
-    assert all(len(h.result()[1]) == 10 for h in handles)
+    assert all(len(h.result().tokens) == 10 for h in handles)
 
 
 def test_threaded_engine_and_async_iteration(tiny_model):

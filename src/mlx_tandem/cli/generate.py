@@ -1,14 +1,22 @@
-"""`tandem generate`: mlx_lm.generate's flags, plus --json and --dtype."""
+"""`tandem generate`: mlx_lm.generate's flags, plus --json, --dtype and batching.
+
+One prompt runs on the plain path (token-for-token mlx-lm's `generate_step`);
+several (`--prompt` repeated, or `--prompts-file`) run together as one batch
+on the rows engine, and `--json` prints one JSON object per prompt.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from typing import Any
 
 from mlx_tandem.cli.options import (
+    add_engine_flags,
     add_model_flags,
     add_sampling_flags,
+    runtime_config,
     sampling_params,
     str2bool,
     template_kwargs,
@@ -18,65 +26,125 @@ DEFAULT_PROMPT = "hello"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text for a prompt")
+    p = sub.add_parser("generate", help="generate text for one or more prompts")
     add_model_flags(p)
-    p.add_argument("--prompt", "-p", default=DEFAULT_PROMPT, help="prompt text ('-' reads stdin)")
+    p.add_argument(
+        "--prompt",
+        "-p",
+        action="append",
+        default=None,
+        help="prompt text ('-' reads stdin); repeat for a batch",
+    )
+    p.add_argument("--prompts-file", default=None, help="one prompt per line, run as a batch")
     p.add_argument("--system-prompt", default=None)
     p.add_argument("--ignore-chat-template", action="store_true")
     p.add_argument("--chat-template-config", default=None, help="JSON kwargs for the template")
     p.add_argument("--prefill-step-size", type=int, default=2048)
     add_sampling_flags(p)
+    add_engine_flags(p)
+    p.add_argument(
+        "--engine",
+        choices=("auto", "plain", "rows"),
+        default="auto",
+        help="plain: mlx-lm's arithmetic, one prompt; rows: the batched engine, whose "
+        "output for a prompt is the same alone or in any batch (auto: plain for "
+        "one prompt, rows for several)",
+    )
     p.add_argument(
         "--verbose",
         type=str2bool,
         default=True,
         help="'False' prints only the text (as mlx_lm.generate)",
     )
-    p.add_argument(
-        "--json", action="store_true", help="print one JSON object with text, ids, timing"
-    )
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.set_defaults(run=run)
 
 
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        prompts = [DEFAULT_PROMPT]
+    out = []
+    for text in prompts:
+        text = text.replace("\\n", "\n").replace("\\t", "\t")
+        out.append(sys.stdin.read() if text == "-" else text)
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
-    from mlx_tandem.engine.generate import generate, stream_generate
     from mlx_tandem.models.loader import load
 
     if args.prefill_step_size < 1:
         raise ValueError("--prefill-step-size must be >= 1")
     kwargs = template_kwargs(args.chat_template_config)
+    texts = read_prompts(args)
+    if args.engine == "plain" and len(texts) > 1:
+        raise ValueError("--engine plain runs one prompt; use --engine rows for a batch")
+    use_rows = args.engine == "rows" or len(texts) > 1
+    config = runtime_config(args) if use_rows else None
     model = load(args.model, dtype=args.dtype, progress=not args.json)
     params = sampling_params(args, model.tokenizer)
-    text = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
-    text = sys.stdin.read() if text == "-" else text
-    prompt = model.encode(
-        text,
-        chat=not args.ignore_chat_template,
-        system_prompt=args.system_prompt,
-        template_kwargs=kwargs,
-    )
+    prompts = [
+        model.encode(
+            t,
+            chat=not args.ignore_chat_template,
+            system_prompt=args.system_prompt,
+            template_kwargs=kwargs,
+        )
+        for t in texts
+    ]
+    if not use_rows:
+        return run_plain(args, model, prompts[0], params)
+    return run_batch(args, model, prompts, params, config)
+
+
+def _json_result(
+    model,
+    text: str,
+    tokens: list[int],
+    prompt: list[int],
+    finish: str,
+    timing: dict[str, float],
+    logprobs: list | None,
+) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "model": model.name,
+        "text": text,
+        "tokens": tokens,
+        "prompt_tokens": prompt,
+        "finish_reason": finish,
+        "timing": timing,
+    }
+    if logprobs:
+        out["logprobs"] = [
+            {"token": i.token, "logprob": i.logprob, "top": [list(t) for t in i.top]}
+            for i in logprobs
+        ]
+    return out
+
+
+def run_plain(args, model, prompt: list[int], params) -> int:
+    from mlx_tandem.engine.generate import generate, stream_generate
+
     if args.json:
-        result = generate(model, prompt, params, prefill_step_size=args.prefill_step_size)
-        s = result.stats
-        out = {
-            "model": model.name,
-            "text": result.text,
-            "tokens": result.tokens,
-            "prompt_tokens": result.prompt_tokens,
-            "finish_reason": result.finish_reason,
-            "timing": {
-                "ttft_s": s.ttft_s,
-                "prompt_tps": s.prompt_tps,
-                "generation_tps": s.generation_tps,
-                "peak_memory_gb": s.peak_memory_gb,
-            },
+        r = generate(model, prompt, params, prefill_step_size=args.prefill_step_size)
+        s = r.stats
+        timing = {
+            "ttft_s": s.ttft_s,
+            "prompt_tps": s.prompt_tps,
+            "generation_tps": s.generation_tps,
+            "peak_memory_gb": s.peak_memory_gb,
         }
-        if params.logprobs:
-            out["logprobs"] = [
-                {"token": i.token, "logprob": i.logprob, "top": [list(t) for t in i.top]}
-                for i in result.logprobs
-            ]
-        print(json.dumps(out))
+        print(
+            json.dumps(
+                _json_result(
+                    model, r.text, r.tokens, r.prompt_tokens, r.finish_reason, timing, r.logprobs
+                )
+            )
+        )
         return 0
     if args.verbose:
         print("=" * 10)
@@ -96,4 +164,40 @@ def run(args: argparse.Namespace) -> int:
             f"{stats.generation_tps:.3f} tokens-per-sec"
         )
         print(f"Peak memory: {stats.peak_memory_gb:.3f} GB")
+    return 0
+
+
+def run_batch(args, model, prompts: list[list[int]], params, config) -> int:
+    import time
+
+    from mlx_tandem.engine.engine import Engine
+
+    engine = Engine(model, config)
+    try:
+        start = time.perf_counter()
+        handles = [engine.submit(p, params) for p in prompts]
+        results = [h.result() for h in handles]
+        elapsed = time.perf_counter() - start
+    finally:
+        engine.shutdown()
+    total = 0
+    for i, (res, prompt) in enumerate(zip(results, prompts, strict=True)):
+        total += len(res.tokens)
+        if res.finish_reason == "error":
+            raise RuntimeError(f"prompt {i}: {res.error}")
+        if args.json:
+            timing = {"ttft_s": res.stats.ttft_s, "generation_tps": res.stats.generation_tps}
+            body = _json_result(
+                model, res.text, res.tokens, prompt, res.finish_reason, timing, res.logprobs
+            )
+            print(json.dumps({"index": i, **body}))
+        else:
+            print(f"========== [{i}] {res.finish_reason}, {len(res.tokens)} tokens")
+            print(res.text)
+    if args.verbose and not args.json:
+        print("=" * 10)
+        print(
+            f"Rows engine: {len(prompts)} prompts, {total} tokens in {elapsed:.2f} s "
+            f"({total / elapsed:.1f} tokens-per-sec)"
+        )
     return 0

@@ -86,6 +86,34 @@ def sampling_params(args: argparse.Namespace, tokenizer) -> SamplingParams:
     )
 
 
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-rows", type=int, default=None, help="rows decoded together (16)")
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        help="prompt tokens per prefill chunk (default: auto)",
+    )
+    p.add_argument("--memory-budget", default=None, help="KV-cache budget, e.g. 4G (default: auto)")
+    p.add_argument(
+        "--batch-invariant",
+        type=str2bool,
+        default=None,
+        help="exact batch invariance (default True; False is faster at small batch)",
+    )
+
+
+def runtime_config(args: argparse.Namespace):
+    from mlx_tandem.engine.config import RuntimeConfig, parse_bytes
+
+    return RuntimeConfig.resolve(
+        max_rows=args.max_rows,
+        prefill_chunk=args.prefill_chunk,
+        memory_budget=parse_bytes(args.memory_budget) if args.memory_budget else None,
+        batch_invariant=args.batch_invariant,
+    )
+
+
 def str2bool(value: str) -> bool:
     """mlx_lm.generate's convention: anything but 'false'/'f' is true."""
     return value.lower() not in ("false", "f")

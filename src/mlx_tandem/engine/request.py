@@ -73,6 +73,16 @@ class RequestStats:
         return (self.generation_tokens - 1) / max(self.finished - self.first_token, 1e-9)
 
 
+@dataclass
+class RequestResult:
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    stats: RequestStats | None = None
+
+
 class Request:
     def __init__(
         self,
@@ -133,12 +143,12 @@ class RequestHandle:
     def cancel(self) -> None:
         self.engine.cancel(self.id)
 
-    def result(self) -> tuple[str, list[int], RequestOutput]:
-        """Block until the request ends: (text, tokens, final event)."""
-        text, tokens, last = "", [], None
+    def result(self) -> RequestResult:
+        """Block until the request ends and collect everything it produced."""
+        res = RequestResult()
         for out in self:
-            text += out.text
-            tokens += out.tokens
-            last = out
-        assert last is not None
-        return text, tokens, last
+            res.text += out.text
+            res.tokens += out.tokens
+            res.logprobs += out.logprobs
+            res.finish_reason, res.error, res.stats = out.finish_reason, out.error, out.stats
+        return res
