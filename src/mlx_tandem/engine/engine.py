@@ -1,6 +1,13 @@
 """Engine: the continuously batched step loop over a cohort of rows.
 
-    step():  inbox -> admit -> one prefill chunk -> decode all running rows -> postprocess
+    step():  inbox -> admit -> one prefill chunk -> decode all running rows
+
+    decode:  draft -> verify (one target forward) -> accept -> rewind -> postprocess
+
+Without a drafter every row drafts nothing and the same decode is plain
+decoding; with one, each row verifies its own proposals and keeps its own
+accepted prefix (spec/verify.py), the rejected tail is rewound by moving the
+row's end back, and the drafter restores its rows to match.
 
 The cohort is `self.running` (Requests, one per row, in row order) and
 `self.rows` (their StateRows); they are filtered together, by one index list.
@@ -30,7 +37,7 @@ import mlx.core as mx
 from mlx_tandem.engine.config import RuntimeConfig
 from mlx_tandem.engine.generate import check_prompt
 from mlx_tandem.engine.output import TextStream
-from mlx_tandem.engine.postprocess import accept_tokens, sample_rows
+from mlx_tandem.engine.postprocess import accept_tokens
 from mlx_tandem.engine.prefill import PrefillPolicy
 from mlx_tandem.engine.request import Request, RequestHandle, RequestOutput, Status
 from mlx_tandem.engine.runner import ModelRunner
@@ -38,15 +45,27 @@ from mlx_tandem.engine.sampling import RowSampler, SamplingParams
 from mlx_tandem.engine.scheduler import MemoryModel, Scheduler
 from mlx_tandem.kv.state_rows import StateRows
 from mlx_tandem.models.loader import LoadedModel
+from mlx_tandem.spec.source import Drafts
+from mlx_tandem.spec.verify import verify
 
 
 class Engine:
     def __init__(
-        self, model: LoadedModel, config: RuntimeConfig | None = None, threaded: bool = True
+        self,
+        model: LoadedModel,
+        config: RuntimeConfig | None = None,
+        threaded: bool = True,
+        drafter: DraftSource | None = None,
+        depth: FixedDepth | AdaptiveDepth | None = None,
     ) -> None:
         self.model = model
         self.config = config or RuntimeConfig.resolve()
         self.runner = ModelRunner(model, batch_invariant=self.config.batch_invariant)
+        self.drafter = drafter
+        self.depth = depth or FixedDepth(3)
+        if drafter is not None:
+            check_rewindable(self.runner)
+        self.stats = EngineStats()
         memory = measure_memory(self.runner)
         budget = self.config.memory_budget or default_budget(model)
         self.prefill_policy = PrefillPolicy.resolve(model.config, self.config, budget)
@@ -176,7 +195,10 @@ class Engine:
             if request.prefilled == len(request.prompt) - 1:
                 change = self.rows.prepare_append([request.joining])
                 try:
+                    companion = self.drafter.prepare_append([request]) if self.drafter else None
                     change.commit()
+                    if companion is not None:
+                        companion.commit()
                 finally:
                     change.dispose()
                 self.scheduler.joining.pop(0)
@@ -190,13 +212,30 @@ class Engine:
         return True
 
     def _decode(self) -> None:
-        ids = mx.array([[r.pending] for r in self.running], dtype=mx.int32)
-        hidden = self.runner.forward(self.rows, ids)
-        logits = self.runner.logits(hidden, len(self.running))[:, -1]
-        tokens, logprobs = sample_rows(self.running, logits)
+        """draft -> verify -> accept -> rewind -> postprocess, for every running row."""
+        rows, B = self.running, len(self.running)
+        t0 = time.perf_counter()
+        depths = self.depth.depths(rows) if self.drafter else [0] * B
+        drafts = self.drafter.draft(rows, depths) if self.drafter else Drafts([[]] * B, [None] * B)
+        t1 = time.perf_counter()
+        feeds = [[r.pending, *d] for r, d in zip(rows, drafts.tokens, strict=True)]
+        width = max(len(f) for f in feeds)
+        ids = mx.array([f + [0] * (width - len(f)) for f in feeds], dtype=mx.int32)
+        before = self.rows.ends
+        hidden = self.runner.forward(self.rows, ids, [len(f) for f in feeds])
+        verdicts = verify(rows, self.runner.logits(hidden, B, "all"), drafts.tokens, drafts.q)
+        self.rows.set_ends([e + v.accepted + 1 for e, v in zip(before, verdicts, strict=True)])
+        accepted = [v.accepted for v in verdicts]
+        if self.drafter:
+            self.drafter.commit(accepted)
+            drafted = [len(d) for d in drafts.tokens]
+            self.depth.observe(rows, drafted, accepted, t1 - t0, time.perf_counter() - t1, width)
+            self.stats.record(self.drafter.name, drafted, accepted)
         keep = []
-        for i, request in enumerate(self.running):
-            out = accept_tokens(request, [tokens[i]], [logprobs[i]])
+        for i, (request, verdict) in enumerate(zip(rows, verdicts, strict=True)):
+            request.stats.drafted += len(drafts.tokens[i])
+            request.stats.accepted += verdict.accepted
+            out = accept_tokens(request, verdict.tokens, verdict.logprobs)
             request.emit(out)
             if out.finish_reason is None:
                 keep.append(i)
@@ -207,6 +246,8 @@ class Engine:
     def _keep(self, keep: list[int]) -> None:
         if len(keep) != len(self.running):
             self.rows.filter_rows(keep)
+            if self.drafter:
+                self.drafter.filter_rows(keep)
             self.running = [self.running[i] for i in keep]
 
     def _finish(
@@ -222,6 +263,32 @@ class Engine:
                     request.id, "", [], finish_reason=reason, error=error, stats=request.stats
                 )
             )
+
+
+class EngineStats:
+    """Engine-wide speculation counters, per drafter."""
+
+    def __init__(self) -> None:
+        self.drafted: dict[str, int] = {}
+        self.accepted: dict[str, int] = {}
+
+    def record(self, drafter: str, drafted: list[int], accepted: list[int]) -> None:
+        self.drafted[drafter] = self.drafted.get(drafter, 0) + sum(drafted)
+        self.accepted[drafter] = self.accepted.get(drafter, 0) + sum(accepted)
+
+    def acceptance(self, drafter: str) -> float:
+        return self.accepted.get(drafter, 0) / max(1, self.drafted.get(drafter, 0))
+
+
+def check_rewindable(runner: ModelRunner) -> None:
+    """Speculation rewinds target rows by moving their ends: refuse recurrent targets."""
+    from mlx_lm.models.cache import ArraysCache
+
+    if any(isinstance(c, ArraysCache) for c in runner.empty_rows().leaves()):
+        raise ValueError(
+            f"speculative decoding is not supported for {runner.model.name!r}: its recurrent "
+            "layers cannot rewind rejected drafts per row (run it without a draft model)"
+        )
 
 
 def measure_memory(runner: ModelRunner) -> MemoryModel:

@@ -1,7 +1,5 @@
-"""Turning a step's logits into per-row tokens, and tokens into a request's output.
+"""Turning a row's accepted tokens into the request's output.
 
-`sample_rows`: each row's logits go through that row's own processors and
-keyed sampler (so a row's draw never depends on its neighbours).
 `accept_tokens`: appends a row's accepted tokens in order and cuts exactly
 where plain decoding would stop: a stop id (not emitted), a stop string (text
 cut at its first occurrence), or max_tokens. Shared by plain and speculative
@@ -16,17 +14,6 @@ import mlx.core as mx
 
 from mlx_tandem.engine.generate import top_logprobs
 from mlx_tandem.engine.request import Request, RequestOutput
-
-
-def sample_rows(rows: list[Request], logits: mx.array) -> tuple[list[int], list[mx.array]]:
-    """logits (B, V) -> one token per row and each row's processed logprobs (1, V)."""
-    picks, logprobs = [], []
-    for i, r in enumerate(rows):
-        lp = r.sampler.logprobs(logits[i : i + 1], r.history)
-        picks.append(r.sampler.sample(lp, r.position))
-        logprobs.append(lp)
-    mx.eval(picks)
-    return [int(t.item()) for t in picks], logprobs
 
 
 def accept_tokens(request: Request, tokens: list[int], logprobs: list[mx.array]) -> RequestOutput:

@@ -106,6 +106,7 @@ class Request:
         self.pending = prompt[-1]  # the next token to feed; its logits give the next sample
         self.history = mx.array(prompt, dtype=mx.uint32) if sampler.needs_history else None
         self.finish_reason: str | None = None
+        self.spec_alpha: float | None = None  # per-token draft acceptance estimate (adaptive depth)
         self.stats = RequestStats(prompt_tokens=len(prompt), arrival=time.perf_counter())
         self.events: queue.Queue[RequestOutput] = queue.Queue()
 

@@ -16,6 +16,7 @@ the row decoded alone).
 from __future__ import annotations
 
 import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache
 
 from mlx_tandem.kv.state_rows import StateRows
 from mlx_tandem.models.graph import MlxLmGraph, Which
@@ -56,11 +57,22 @@ class ModelRunner:
         rows.ensure_spare(spare)
         if rows.spare:
             ids = mx.concatenate([ids, mx.zeros((rows.spare, L), ids.dtype)])
+        recurrent = [c for c in rows.leaves() if isinstance(c, ArraysCache)]
+        ragged = lengths is not None and any(n != L for n in lengths)
+        if ragged:  # recurrent layers must not absorb the right padding
+            for c in recurrent:
+                c.prepare(lengths=[*lengths, *([L] * rows.spare)])
         hidden = self.graph.forward_hidden(ids, rows.layers)
+        if ragged:
+            for c in recurrent:
+                c.finalize()
         advance = lengths if lengths is not None else [L] * B
         rows.set_ends([e + n for e, n in zip(before, advance, strict=True)])
         return hidden
 
     def logits(self, hidden: mx.array, rows: int, which: Which = "last") -> mx.array:
         """Project the first `rows` rows' positions (spare rows ride along for stable shapes)."""
+        extra = hidden.shape[0] - rows
+        if isinstance(which, mx.array) and extra > 0:
+            which = mx.concatenate([which, mx.zeros((extra, which.shape[1]), which.dtype)])
         return self.graph.project_logits(hidden, which)[:rows]

@@ -50,6 +50,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int = 0
+    num_draft_tokens: int | None = None  # cap on drafted tokens per step (0: no speculation)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -87,6 +88,10 @@ class SamplingParams:
             raise bad("stop", "stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be token ids >= 0")
+        if self.num_draft_tokens is not None and (
+            not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 0
+        ):
+            raise bad("num_draft_tokens", "must be an integer >= 0")
         if not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise bad("logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
 

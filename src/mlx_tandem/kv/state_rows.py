@@ -214,6 +214,28 @@ class StateRows:
             self.layers = self._combine([(self.layers, total), (blank, n - self.spare)])
             self.spare = n
 
+    def restore_rows(self, snapshots: list[StateRows], choice: list[int]) -> None:
+        """Row i takes its state from snapshots[choice[i]] (clones of this cohort).
+
+        Attention layers restore the snapshot's end (their data below it is
+        never rewritten); recurrent layers gather the snapshot's arrays.
+        Spare rows keep their current state.
+        """
+        assert len(choice) == self.rows
+        sources = [s.leaves() for s in snapshots]
+        picks = mx.array(choice, dtype=mx.int32)
+        for n, leaf in enumerate(self.leaves()):
+            if isinstance(leaf, RowKVCache):
+                ends = [sources[c][n].ends[i] for i, c in enumerate(choice)]
+                leaf.ends = ends + leaf.ends[self.rows :]
+                continue
+            for j, current in enumerate(leaf.cache):
+                if current is None:
+                    continue
+                stacked = mx.stack([src[n].cache[j][: self.rows] for src in sources])
+                rows = stacked[picks, mx.arange(self.rows)]
+                leaf.cache[j] = mx.concatenate([rows, current[self.rows :]]) if self.spare else rows
+
     def set_ends(self, ends: list[int]) -> None:
         """Rewind each real row's attention state to `ends`; spare rows restart at 0."""
         assert len(ends) == self.rows

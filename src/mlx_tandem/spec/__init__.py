@@ -1,0 +1,1 @@
+"""Speculative layer: draft sources, the depth policy and lossless verification."""

@@ -1,0 +1,135 @@
+"""Draft-model source (the seed's `MlxAutoregressiveDraftRows`): a small model drafts for every row.
+
+The drafter keeps its own StateRows in the cohort's row order and runs the
+batch-invariant ModelRunner, so a row's drafts never depend on its neighbours.
+Each step it feeds every row its pending input — the target's last token, plus
+the previous step's last draft when that draft was fully accepted and so never
+fed ("pending last", per-row padded to two tokens) — then drafts one token per
+forward, snapshotting the state after each forward. On commit each row is
+restored from the snapshot after its last accepted draft (attention layers by
+end, recurrent layers by their arrays): never by trimming, so recurrent draft
+models work. Depth 0 still consumes the pending input.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from mlx_tandem.engine.request import Request
+from mlx_tandem.engine.runner import ModelRunner
+from mlx_tandem.engine.sampling import PURPOSE_DRAFT, position_key
+from mlx_tandem.kv.state_rows import PreparedChange, StateRows
+from mlx_tandem.models.loader import LoadedModel
+from mlx_tandem.spec.source import Drafts
+
+
+def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
+    tv, dv = target.graph.vocab_size, draft.graph.vocab_size
+    if tv != dv or len(target.tokenizer.vocab) != len(draft.tokenizer.vocab):
+        raise ValueError(
+            f"draft model {draft.name!r} has vocabulary {dv} (tokenizer {len(draft.tokenizer.vocab)}), "
+            f"target {target.name!r} has {tv} (tokenizer {len(target.tokenizer.vocab)}): "
+            "a draft model must share the target's tokenizer"
+        )
+
+
+class DraftModelSource:
+    def __init__(self, model: LoadedModel, chunk: int = 512, batch_invariant: bool = True) -> None:
+        self.name = f"draft:{model.name}"
+        self.runner = ModelRunner(model, batch_invariant=batch_invariant)
+        self.rows: StateRows = self.runner.empty_rows()
+        self.chunk = chunk
+        self.pending_last: list[int | None] = []
+        self._history: list[StateRows] = []
+        self._drafts: list[list[int]] = []
+        self._depth = 0
+
+    def prepare_append(self, requests: list[Request]) -> PreparedChange:
+        parts = []
+        for r in requests:  # the drafter sees the same prompt, minus the pending last token
+            row = self.runner.blank_row()
+            if len(r.prompt) > 1:
+                self.runner.prefill(row, r.prompt[:-1], self.chunk)
+            parts.append(row)
+        change = self.rows.prepare_append(parts)
+
+        def commit() -> None:
+            change.commit()
+            self.pending_last += [None] * len(requests)
+
+        return PreparedChange(commit=commit, dispose=change.dispose)
+
+    def filter_rows(self, keep: list[int]) -> None:
+        self.rows.filter_rows(keep)
+        self.pending_last = [self.pending_last[i] for i in keep]
+
+    def _sample(
+        self, requests: list[Request], logits: mx.array, position: int
+    ) -> tuple[mx.array, list]:
+        """One draft token per row (B,), and per sampled row its q distribution (1, V)."""
+        tokens, qs = [], []
+        for i, r in enumerate(requests):
+            lp = logits[i : i + 1] - mx.logsumexp(logits[i : i + 1], axis=-1, keepdims=True)
+            if r.sampler.params.greedy:
+                tokens.append(mx.argmax(lp, axis=-1))
+                qs.append(None)
+                continue
+            sl = r.sampler.sample_logits(lp)
+            key = position_key(r.sampler.seed, r.position + position, PURPOSE_DRAFT)
+            tokens.append(mx.random.categorical(sl, key=key))
+            qs.append(mx.softmax(sl.astype(mx.float32), axis=-1))
+        return mx.concatenate(tokens), qs
+
+    def draft(self, requests: list[Request], depths: list[int]) -> Drafts:
+        B, depth = len(requests), max(depths, default=0)
+        self._history, self._depth = [], depth
+        feeds = [
+            [r.pending] if last is None else [last, r.pending]
+            for r, last in zip(requests, self.pending_last, strict=True)
+        ]
+        width = max(len(f) for f in feeds)
+        ids = mx.array([f + [0] * (width - len(f)) for f in feeds], dtype=mx.int32)
+        lengths = [len(f) for f in feeds]
+        columns: list[mx.array] = []
+        qs: list[list] = [[] for _ in requests]
+        for step in range(max(1, depth)):
+            hidden = self.runner.forward(self.rows, ids, lengths if step == 0 else None)
+            self._history.append(self.rows.clone())
+            if depth == 0:
+                break
+            if step == 0 and width > 1:  # each row's last real position
+                picks = mx.array([n - 1 for n in lengths], dtype=mx.int32)[:, None]
+                logits = self.runner.logits(hidden, B, picks)[:, 0]
+            else:
+                logits = self.runner.logits(hidden, B)[:, -1]
+            token, q = self._sample(requests, logits, step)
+            columns.append(token)
+            for i, qi in enumerate(q):
+                qs[i].append(qi)
+            ids = token[:, None].astype(mx.int32)
+        mx.eval(self.rows.arrays())
+        values = mx.stack(columns, axis=1).tolist() if columns else [[] for _ in requests]
+        self._drafts = [row[:k] for row, k in zip(values, depths, strict=True)]
+        q_rows = [
+            None if k == 0 or q[0] is None else mx.concatenate(q[:k])
+            for q, k in zip(qs, depths, strict=True)
+        ]
+        return Drafts(tokens=self._drafts, q=q_rows)
+
+    def commit(self, accepted: list[int]) -> None:
+        depth = self._depth
+        choice = [min(a, max(0, depth - 1)) for a in accepted]
+        if any(c != len(self._history) - 1 for c in choice):
+            self.rows.restore_rows(self._history, choice)
+        self.pending_last = [
+            self._drafts[i][-1]
+            if depth > 0 and a == depth and len(self._drafts[i]) == depth
+            else None
+            for i, a in enumerate(accepted)
+        ]
+        self._history, self._drafts, self._depth = [], [], 0
+
+    def release(self) -> None:
+        self._history = []
+        self.rows = self.runner.empty_rows()
+        self.pending_last = []

@@ -1,0 +1,63 @@
+"""Prompt-lookup drafting: propose what followed the last earlier occurrence of the row's suffix.
+
+For n from n_max down to n_min, the row's last n tokens (prompt + output) are
+searched among its earlier tokens with one vectorised comparison over all
+windows (numpy sliding windows); the most recent match wins and the up to k
+tokens that followed it are proposed. No match: zero proposals. Proposals are
+deterministic (q is one-hot). The drafter is stateless beyond each request's
+own token list, so membership changes need no work.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mlx_tandem.engine.request import Request
+from mlx_tandem.kv.state_rows import PreparedChange
+from mlx_tandem.spec.source import Drafts
+
+
+def lookup(tokens: np.ndarray, k: int, n_min: int = 1, n_max: int = 3) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the longest suffix."""
+    size = len(tokens)
+    if k <= 0 or size < 2:
+        return []
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        suffix = tokens[size - n :]
+        # windows starting at 0 .. size-n-1 (excluding the suffix itself)
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: size - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start : start + k].tolist()
+    return []
+
+
+class PromptLookupSource:
+    name = "ngram"
+
+    def __init__(self, n_min: int = 1, n_max: int = 3) -> None:
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"ngram sizes need 1 <= n_min <= n_max, got {n_min}, {n_max}")
+        self.n_min, self.n_max = n_min, n_max
+
+    def prepare_append(self, requests: list[Request]) -> PreparedChange:
+        return PreparedChange(lambda: None, lambda: None)
+
+    def filter_rows(self, keep: list[int]) -> None:
+        pass
+
+    def draft(self, requests: list[Request], depths: list[int]) -> Drafts:
+        tokens = [
+            lookup(np.asarray(r.prompt + r.tokens, dtype=np.int64), k, self.n_min, self.n_max)
+            if k > 0
+            else []
+            for r, k in zip(requests, depths, strict=True)
+        ]
+        return Drafts(tokens=tokens, q=[None] * len(requests))
+
+    def commit(self, accepted: list[int]) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
