@@ -45,7 +45,8 @@ from mlx_tandem.engine.sampling import RowSampler, SamplingParams
 from mlx_tandem.engine.scheduler import MemoryModel, Scheduler
 from mlx_tandem.kv.state_rows import StateRows
 from mlx_tandem.models.loader import LoadedModel
-from mlx_tandem.spec.source import Drafts
+from mlx_tandem.spec.depth import AdaptiveDepth, FixedDepth
+from mlx_tandem.spec.source import Drafts, DraftSource
 from mlx_tandem.spec.verify import verify
 
 
