@@ -55,3 +55,25 @@ def goldens() -> dict:
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def gguf_file() -> Callable[[str], Path]:
+    """Factory: gguf_file("gemma3-270m") -> path of that catalogue model's GGUF, already on disk.
+
+    Looks in the catalogue's cache (TANDEM_HOME), then $TANDEM_GGUF_DIR and /tmp/models; skips the
+    test when the file is in none of them (it never downloads).
+    """
+    from mlx_tandem.models import catalogue
+
+    def find(name: str) -> Path:
+        entry = catalogue.lookup(name)
+        dirs = [catalogue.gguf_path(entry).parent, Path("/tmp/models")]
+        if extra := os.environ.get("TANDEM_GGUF_DIR"):
+            dirs.insert(1, Path(extra))
+        for folder in dirs:
+            if (folder / entry.filename).is_file():
+                return folder / entry.filename
+        pytest.skip(f"{entry.filename} not on disk (looked in {', '.join(map(str, dirs))})")
+
+    return find

@@ -354,7 +354,7 @@ def _convert_tensors(
         path, role = _mlx_name(name, names)
         suffix = name.rsplit(".", 1)[1]
         perm = None
-        if arch == "llama" and role in ("attn_q", "attn_k") and len(t.shape) == 2:
+        if arch == "llama" and role in ("attn_q", "attn_k"):  # weight and bias rows alike
             heads = config["num_attention_heads" if role == "attn_q" else "num_key_value_heads"]
             perm = _unpermute_rows(t.shape[0], heads)
         if (
