@@ -13,17 +13,13 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import math
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-with contextlib.suppress(OSError):  # OpenBLAS before MLX: ~50x faster float32 matmul here
-    ctypes.CDLL("libopenblas.so.0", mode=ctypes.RTLD_GLOBAL)
-
+# isort: split
 import mlx.core as mx
 import mlx.nn as nn
 
