@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 MAX_TOP_LOGPROBS = 20
@@ -127,12 +128,31 @@ def position_key(seed: int, position: int, purpose: int = PURPOSE_SAMPLE) -> mx.
     return mx.random.key(_mix64(_mix64(seed & _MASK64) ^ (position << 2 | purpose)))
 
 
+def _mix64_np(x: np.ndarray) -> np.ndarray:
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def position_keys(seeds: list[int], positions: np.ndarray, purpose: int) -> mx.array:
+    """Keys (n, S, 2) for rows' draws at positions (n, S): `position_key` for many at once."""
+    with np.errstate(over="ignore"):
+        base = _mix64_np(np.array([s & _MASK64 for s in seeds], dtype=np.uint64))[:, None]
+        mixed = _mix64_np(
+            base ^ ((positions.astype(np.uint64) << np.uint64(2)) | np.uint64(purpose))
+        )
+    words = np.stack([mixed >> np.uint64(32), mixed & np.uint64(0xFFFFFFFF)], axis=-1)
+    return mx.array(words.astype(np.uint32))
+
+
 class RowSampler:
     """Owns one request's processors and sampling settings (arrays are (1, V))."""
 
     def __init__(self, params: SamplingParams, vocab_size: int) -> None:
         params.check_vocab(vocab_size)
         self.params = params
+        self.vocab_size = vocab_size
         self.seed = params.seed if params.seed is not None else fresh_seed()
         self.processors = make_logits_processors(
             logit_bias=params.logit_bias or None,
@@ -144,6 +164,12 @@ class RowSampler:
             frequency_context_size=params.penalty_context_size,
         )
         self.history_window = max(params.repetition_context_size, params.penalty_context_size)
+
+    @property
+    def filter_key(self) -> tuple:
+        """Rows with equal keys build their sampling distribution with the same ops."""
+        p = self.params
+        return (p.temperature, p.top_p, p.min_p, p.min_tokens_to_keep, p.top_k)
 
     @property
     def needs_history(self) -> bool:
@@ -164,7 +190,7 @@ class RowSampler:
             logprobs = apply_top_p(logprobs, p.top_p)
         if p.min_p != 0.0:
             logprobs = apply_min_p(logprobs, p.min_p, p.min_tokens_to_keep)
-        if p.top_k > 0:
+        if 0 < p.top_k < self.vocab_size:
             logprobs = apply_top_k(logprobs, p.top_k)
         return logprobs * (1.0 / p.temperature)
 

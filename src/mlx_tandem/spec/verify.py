@@ -12,21 +12,25 @@ includes d_1..d_j, then truncation filters and temperature).
     normalize(max(0, p_j - q_j)); after a full accept draw the bonus from p_k.
     q is one-hot for deterministic drafters. Ratios in float32.
 Randomness is keyed by (seed, absolute position, purpose), so a row's outcome
-never depends on the batch; a row with no proposals draws exactly the token
-plain decoding draws.
+never depends on the batch, and a row with no proposals draws exactly the
+token plain decoding draws. All rows are decided with batched ops (rows that
+share sampling settings share the filter ops) and one host read.
 
 Oracle: tests/test_speculative.py (greedy token-identical to plain decoding;
-chi-square on the joint distribution of sampled tokens).
+chi-square on the joint distribution of sampled tokens, which also rejects a
+deliberately wrong `accept_draft`).
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from mlx_tandem.engine.request import Request
-from mlx_tandem.engine.sampling import PURPOSE_ACCEPT, PURPOSE_SAMPLE, RowSampler, position_key
+from mlx_tandem.engine.sampling import PURPOSE_ACCEPT, PURPOSE_SAMPLE, position_keys
 
 
 @dataclass
@@ -36,87 +40,104 @@ class Verdict:
     logprobs: list[mx.array]  # per emitted token, its slot's processed logprobs (1, V)
 
 
-def slot_logprobs(
-    sampler: RowSampler, logits: mx.array, history: mx.array | None, drafts: list[int]
-) -> list[mx.array]:
-    """Processed logprobs (1, V) at each slot 0..k, history growing by the drafts."""
-    out = []
-    for j in range(logits.shape[0]):
-        if history is not None and j > 0:
-            history = mx.concatenate([history, mx.array(drafts[j - 1 : j], dtype=mx.uint32)])
-        out.append(sampler.logprobs(logits[j : j + 1], history))
-    return out
+def accept_draft(u: mx.array, p_d: mx.array, q_d: mx.array) -> mx.array:
+    """The rejection rule: accept d with probability min(1, p(d) / q(d)), as u * q(d) <= p(d)."""
+    return u * q_d <= p_d
 
 
-@dataclass
-class _Pending:
-    """Device-side decisions for one row, read back together with every other row's."""
+def slot_logprobs(requests: list[Request], logits: mx.array, drafts: list[list[int]]) -> mx.array:
+    """Processed logprobs (B, S, V): log-softmax, after each row's processors where it has any."""
+    out = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    special = [
+        i for i, r in enumerate(requests) if r.sampler.needs_history and r.history is not None
+    ]
+    if not special:
+        return out
+    rows = [out[i] for i in range(len(requests))]
+    for i in special:
+        r, history, slots = requests[i], requests[i].history, []
+        for j in range(logits.shape[1]):
+            if j > 0:
+                step = drafts[i][j - 1 : j] or [0]  # slots past the row's drafts are padding
+                history = mx.concatenate([history, mx.array(step, dtype=mx.uint32)])
+            slots.append(r.sampler.logprobs(logits[i, j : j + 1], history))
+        rows[i] = mx.concatenate(slots)
+    return mx.stack(rows)
 
-    greedy: bool
-    picks: mx.array  # greedy: argmax per slot (k+1,); sampled: residual draws + bonus (k+1,)
-    accept: mx.array | None  # sampled: acceptance flags (k,)
+
+def _draw(keys: mx.array, logits: mx.array) -> mx.array:
+    """One categorical draw per leading index with its own key: keys (n, 2), logits (n, V)."""
+    return mx.vmap(lambda k, x: mx.random.categorical(x, key=k))(keys, logits)
 
 
-def _decide(
-    request: Request, logprobs: list[mx.array], drafts: list[int], q: mx.array | None
-) -> _Pending:
-    sampler, base = request.sampler, request.position
-    lp = mx.concatenate(logprobs, axis=0)  # (k+1, V)
-    if sampler.params.greedy:
-        return _Pending(True, mx.argmax(lp, axis=-1), None)
-    k = len(drafts)
-    logits = sampler.sample_logits(lp)  # (k+1, V): what plain sampling draws from
-    keys = [position_key(sampler.seed, base + j) for j in range(k + 1)]
-    if k == 0:
-        return _Pending(False, mx.random.categorical(logits[0:1], key=keys[0]), None)
-    p = mx.softmax(logits.astype(mx.float32), axis=-1)
-    d = mx.array(drafts, dtype=mx.int32)
-    p_d = mx.take_along_axis(p[:k], d[:, None], axis=-1)[:, 0]
-    if q is None:  # deterministic drafter: q is one-hot at d
-        q_d = mx.ones_like(p_d)
-        residual = p[:k] * (mx.arange(p.shape[-1])[None] != d[:, None])
-    else:
-        q = q.astype(mx.float32)
-        q_d = mx.take_along_axis(q, d[:, None], axis=-1)[:, 0]
-        residual = mx.maximum(p[:k] - q, 0.0)
-    u = mx.stack(
+def _sampled(
+    requests: list[Request], lp: mx.array, drafts: list[list[int]], q: list[mx.array | None]
+) -> tuple[mx.array, mx.array, mx.array]:
+    """For sampled rows: acceptance flags (n, K), residual draws (n, K), bonus draws (n, S)."""
+    n, S, V = lp.shape
+    K = S - 1
+    logits = requests[0].sampler.sample_logits(lp)  # same filter_key for the whole group
+    positions = np.array([[r.position + j for j in range(S)] for r in requests])
+    seeds = [r.sampler.seed for r in requests]
+    sample_keys = position_keys(seeds, positions, PURPOSE_SAMPLE)
+    bonus = _draw(sample_keys.reshape(-1, 2), logits.reshape(-1, V)).reshape(n, S)
+    if K == 0:
+        return mx.zeros((n, 0), mx.bool_), mx.zeros((n, 0), mx.uint32), bonus
+    d = mx.array([dr + [0] * (K - len(dr)) for dr in drafts], dtype=mx.int32)  # (n, K)
+    one_hot = (mx.arange(V)[None, None] == d[..., None]).astype(mx.float32)
+    q_full = mx.stack(
         [
-            mx.random.uniform(shape=(), key=position_key(sampler.seed, base + j, PURPOSE_ACCEPT))
-            for j in range(k)
+            one_hot[i]
+            if qi is None
+            else mx.concatenate([qi.astype(mx.float32), one_hot[i, qi.shape[0] :]])
+            for i, qi in enumerate(q)
         ]
     )
-    accept = u * q_d <= p_d
-    # where p <= q everywhere (only if p == q) any residual draw is unused: fall back to p
-    empty = residual.sum(axis=-1, keepdims=True) <= 0
-    residual = mx.where(empty, p[:k], residual)
-    draws = [mx.random.categorical(mx.log(residual[j : j + 1]), key=keys[j]) for j in range(k)]
-    bonus = mx.random.categorical(logits[k : k + 1], key=keys[k])
-    return _Pending(False, mx.concatenate([*draws, bonus]), accept)
+    p = mx.softmax(logits.astype(mx.float32), axis=-1)[:, :K]
+    p_d = mx.take_along_axis(p, d[..., None], axis=-1)[..., 0]
+    q_d = mx.take_along_axis(q_full, d[..., None], axis=-1)[..., 0]
+    u = mx.vmap(lambda k: mx.random.uniform(shape=(), key=k))(
+        position_keys(seeds, positions[:, :K], PURPOSE_ACCEPT).reshape(-1, 2)
+    ).reshape(n, K)
+    accept = accept_draft(u, p_d, q_d)
+    residual = mx.maximum(p - q_full, 0.0)
+    empty = residual.sum(axis=-1, keepdims=True) <= 0  # p == q: the draw is never used
+    residual = mx.where(empty, p, residual)
+    draws = _draw(sample_keys[:, :K].reshape(-1, 2), mx.log(residual).reshape(-1, V)).reshape(n, K)
+    return accept, draws, bonus
 
 
 def verify(
     requests: list[Request], logits: mx.array, drafts: list[list[int]], q: list[mx.array | None]
 ) -> list[Verdict]:
     """logits (B, K+1, V) from one target forward over [pending, drafts...] per row."""
-    per_row = []
-    pending = []
+    lp = slot_logprobs(requests, logits, drafts)
+    argmax = mx.argmax(lp, axis=-1)
+    groups: dict[tuple, list[int]] = defaultdict(list)
     for i, r in enumerate(requests):
-        k = len(drafts[i])
-        lps = slot_logprobs(r.sampler, logits[i, : k + 1], r.history, drafts[i])
-        per_row.append(lps)
-        pending.append(_decide(r, lps, drafts[i], q[i]))
-    mx.eval([x for p in pending for x in (p.picks, p.accept) if x is not None])
+        if not r.sampler.params.greedy:
+            groups[r.sampler.filter_key].append(i)
+    decided = {}
+    for idx in groups.values():
+        ix = mx.array(idx, dtype=mx.int32)
+        decided[tuple(idx)] = _sampled(
+            [requests[i] for i in idx], lp[ix], [drafts[i] for i in idx], [q[i] for i in idx]
+        )
+    host_argmax = argmax.tolist()  # evaluates everything above too
+    per_row: dict[int, tuple[list[bool], list[int], list[int]]] = {}
+    for idx, (accept, draws, bonus) in decided.items():
+        a, dr, bo = accept.tolist(), draws.tolist(), bonus.tolist()
+        for n, i in enumerate(idx):
+            per_row[i] = (a[n], dr[n], bo[n])
     verdicts = []
-    for d, lps, p in zip(drafts, per_row, pending, strict=True):
-        picks = p.picks.tolist()
-        if p.greedy:
-            a = next((j for j, tok in enumerate(d) if picks[j] != tok), len(d))
+    for i, d in enumerate(drafts):
+        if i in per_row:
+            flags, draws, bonus = per_row[i]
+            a = next((j for j in range(len(d)) if not flags[j]), len(d))
+            last = draws[a] if a < len(d) else bonus[a]
         else:
-            flags = p.accept.tolist() if p.accept is not None else []
-            a = next((j for j, ok in enumerate(flags) if not ok), len(d))
-        tokens = [*d[:a], picks[a]]
-        verdicts.append(Verdict(a, tokens, lps[: a + 1]))
+            picks = host_argmax[i]
+            a = next((j for j, tok in enumerate(d) if picks[j] != tok), len(d))
+            last = picks[a]
+        verdicts.append(Verdict(a, [*d[:a], last], [lp[i, j : j + 1] for j in range(a + 1)]))
     return verdicts
-
-
-__all__ = ["PURPOSE_SAMPLE", "Verdict", "verify"]

@@ -1,0 +1,261 @@
+"""Speculative decoding: greedy output token-identical to plain decoding; sampled output
+follows the target distribution (chi-square); seeded rows identical alone and batched."""
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_unflatten
+
+from mlx_tandem import SamplingParams
+from mlx_tandem.engine.config import RuntimeConfig
+from mlx_tandem.engine.engine import Engine
+from mlx_tandem.engine.output import TextStream
+from mlx_tandem.engine.request import Request
+from mlx_tandem.engine.sampling import RowSampler
+from mlx_tandem.models.loader import load_folder
+from mlx_tandem.models.tiny import make_tiny_model
+from mlx_tandem.spec import verify as verify_module
+from mlx_tandem.spec.depth import AdaptiveDepth, FixedDepth
+from mlx_tandem.spec.draft_model import DraftModelSource
+from mlx_tandem.spec.ngram import PromptLookupSource, lookup
+
+CFG = RuntimeConfig.resolve(environ={}, prefill_chunk=16)
+
+
+def prompts_and_params(n, seed=0, sampled=True):
+    rng = random.Random(seed)
+    prompts, params = [], []
+    for i in range(n):
+        base = [rng.randrange(3, 250) for _ in range(rng.choice([1, 4, 12, 40]))]
+        prompts.append(base + base[:6] * 2)  # repeats give prompt lookup something to find
+        if sampled and i % 3 == 1:
+            params.append(SamplingParams(max_tokens=rng.randrange(4, 14), temperature=1.0,
+                                         top_p=0.9, seed=i))
+        else:
+            params.append(SamplingParams(max_tokens=rng.randrange(4, 14)))
+    return prompts, params
+
+
+def run(model, prompts, params, drafter=None, depth=None, gaps=True, config=CFG):
+    rng = random.Random(len(prompts))
+    engine = Engine(model, config, threaded=False, drafter=drafter, depth=depth)
+    handles = []
+    for p, sp in zip(prompts, params, strict=True):
+        handles.append(engine.submit(p, sp))
+        for _ in range(rng.randrange(3) if gaps else 0):
+            engine.step()
+    engine.run_until_idle()
+    return [h.result() for h in handles], engine
+
+
+def perturbed(folder, scale=0.05):
+    m = load_folder(folder, "perturbed")
+    noisy = [(k, v + scale * mx.random.normal(v.shape, key=mx.random.key(i)))
+             for i, (k, v) in enumerate(tree_flatten(m.model.parameters()))]
+    m.model.update(tree_unflatten(noisy))
+    return m
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    folder = make_tiny_model("llama", tmp_path_factory.mktemp("target") / "m")
+    return folder, load_folder(folder, "target")
+
+
+@pytest.fixture(scope="module")
+def drafters(target, tmp_path_factory):
+    folder, model = target
+    other = load_folder(make_tiny_model("llama", tmp_path_factory.mktemp("d") / "m", seed=7), "other")
+    recurrent = load_folder(make_tiny_model("lfm2", tmp_path_factory.mktemp("r") / "m"), "lfm2")
+    return {
+        "self": lambda: DraftModelSource(model),
+        "perturbed": lambda: DraftModelSource(perturbed(folder)),
+        "random": lambda: DraftModelSource(other),
+        "ngram": PromptLookupSource,
+        "recurrent": lambda: DraftModelSource(recurrent),
+    }
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    prompts, params = prompts_and_params(16)
+    results, _ = run(target[1], prompts, params)
+    return prompts, params, [r.tokens for r in results]
+
+
+@pytest.mark.parametrize("name", ["self", "perturbed", "random", "ngram", "recurrent"])
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_greedy_speculation_equals_plain(target, drafters, plain, name, k):
+    prompts, params, expected = plain
+    for max_rows in (1, 16) if k == 3 else (16,):
+        config = RuntimeConfig.resolve(environ={}, prefill_chunk=16, max_rows=max_rows)
+        results, engine = run(target[1], prompts, params, drafters[name](), FixedDepth(k),
+                              config=config)
+        for r, sp, want in zip(results, params, expected, strict=True):
+            if sp.greedy:
+                assert r.tokens == want
+        if name == "self":  # the target drafting for itself is accepted (greedy rows) in full
+            assert engine.stats.acceptance(engine.drafter.name) > 0.8
+
+
+@pytest.mark.parametrize("name", ["perturbed", "ngram"])
+def test_seeded_sampled_rows_identical_alone_and_batched(target, drafters, name):
+    prompts, params = prompts_and_params(8, seed=3)
+    params = [SamplingParams(max_tokens=12, temperature=0.8, top_k=30, seed=40 + i)
+              for i in range(len(prompts))]
+    batched, _ = run(target[1], prompts, params, drafters[name](), FixedDepth(3))
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        alone, _ = run(target[1], [p], [sp], drafters[name](), FixedDepth(3))
+        assert alone[0].tokens == batched[i].tokens
+
+
+def test_stop_strings_and_eos_inside_a_block_cut_like_plain(target, drafters, plain):
+    model = target[1]
+    prompts, _, expected = plain
+    stop_ids = (expected[0][3],)
+    stop_text = model.tokenizer.decode(expected[1][2:4])
+    params = [SamplingParams(max_tokens=14, stop_token_ids=stop_ids, stop=(stop_text,))
+              for _ in prompts]
+    reference, _ = run(model, prompts, params)
+    for name in ("self", "ngram"):
+        got, _ = run(model, prompts, params, drafters[name](), FixedDepth(6))
+        for r, ref in zip(got, reference, strict=True):
+            assert (r.tokens, r.text, r.finish_reason) == (ref.tokens, ref.text, ref.finish_reason)
+            assert not set(stop_ids) & set(r.tokens)
+
+
+def test_adaptive_depth_is_lossless(target, drafters, plain):
+    prompts, params, expected = plain
+    results, engine = run(target[1], prompts, params, drafters["perturbed"](), AdaptiveDepth(6))
+    for r, sp, want in zip(results, params, expected, strict=True):
+        if sp.greedy:
+            assert r.tokens == want
+    assert engine.stats.drafted[engine.drafter.name] > 0
+
+
+def test_zero_draft_tokens_per_request_turns_speculation_off(target, drafters):
+    prompts, _ = prompts_and_params(3, seed=4, sampled=False)
+    params = [SamplingParams(max_tokens=10, num_draft_tokens=0)] * 3
+    results, engine = run(target[1], prompts, params, drafters["self"](), FixedDepth(4))
+    assert engine.stats.drafted.get(engine.drafter.name, 0) == 0
+    assert all(r.stats.drafted == 0 and len(r.tokens) == 10 for r in results)
+
+
+def test_recurrent_target_and_vocab_mismatch_are_refused(tiny_model, target):
+    from mlx_tandem.spec.draft_model import check_compatible
+
+    with pytest.raises(ValueError, match="recurrent"):
+        Engine(tiny_model("lfm2"), CFG, threaded=False, drafter=PromptLookupSource())
+    small = tiny_model("llama", vocab_size=100)
+    with pytest.raises(ValueError, match="vocabulary"):
+        check_compatible(target[1], small)
+
+
+def test_lookup_finds_the_latest_longest_match():
+    t = np.array([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3])
+    assert lookup(t, 3, 1, 3) == [7, 8, 5]  # suffix [2, 3] last seen before 7
+    assert lookup(np.array([4, 5, 6]), 2, 1, 3) == []
+    assert lookup(np.array([1, 2, 1]), 4, 1, 2) == [2, 1]
+    assert lookup(t, 0) == []
+
+
+# --- the output distribution -------------------------------------------------------------
+V, N, PROMPT = 5, 20000, [1, 3, 2]
+
+
+def _softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def _joint_test(model, params, q_table, draws, rng):
+    """Sample N three-token continuations through `verify` with drafts from q; return counts."""
+    logits_of = {}
+
+    def logits(prefix):
+        key = tuple(prefix)
+        if key not in logits_of:
+            logits_of[key] = np.array(model.model(mx.array([PROMPT + list(prefix)]))[0, -1])
+        return logits_of[key]
+
+    sampler = RowSampler(params, V)
+    requests = []
+    for i in range(N):
+        r = Request(list(PROMPT), params, sampler, TextStream(model.tokenizer), set())
+        r.sampler = RowSampler(SamplingParams(temperature=params.temperature, top_p=params.top_p,
+                                              seed=i), V)
+        requests.append(r)
+    while True:
+        live = [r for r in requests if len(r.tokens) < 3]
+        if not live:
+            break
+        drafts, qs, slot_logits = [], [], []
+        for r in live:
+            k = min(2, 2 - len(r.tokens))
+            ctx, d, q_rows = list(r.tokens), [], []
+            for _ in range(k):
+                q = q_table(ctx + d)
+                d.append(int(rng.choice(V, p=q)))
+                q_rows.append(q)
+            drafts.append(d)
+            qs.append(mx.array(np.stack(q_rows)) if d else None)
+            slot_logits.append(np.stack([logits(ctx + d[:j]) for j in range(3)]))
+        verdicts = verify_module.verify(live, mx.array(np.stack(slot_logits)), drafts, qs)
+        for r, v in zip(live, verdicts, strict=True):
+            r.tokens += v.tokens[: 3 - len(r.tokens)]
+    counts = np.zeros((V, V, V))
+    for r in requests:
+        counts[tuple(r.tokens)] += 1
+    return counts
+
+
+def _expected(model, params):
+    sampler = RowSampler(params, V)
+
+    def p(prefix):
+        lg = model.model(mx.array([PROMPT + list(prefix)]))[:, -1]
+        lp = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
+        return np.array(mx.softmax(sampler.sample_logits(lp), axis=-1)[0])
+
+    probs = np.zeros((V, V, V))
+    for a in range(V):
+        pa = p([])[a]
+        for b in range(V):
+            pb = p([a])[b]
+            probs[a, b] = pa * pb * p([a, b])
+    return probs
+
+
+def _chi2_pvalue(counts, probs):
+    from scipy.stats import chi2
+
+    exp = probs.reshape(-1) * counts.sum()
+    obs = counts.reshape(-1)
+    big = exp >= 5  # pool sparse cells
+    o = np.append(obs[big], obs[~big].sum())
+    e = np.append(exp[big], exp[~big].sum())
+    if e[-1] == 0:
+        o, e = o[:-1], e[:-1]
+    stat = ((o - e) ** 2 / e).sum()
+    return chi2.sf(stat, len(e) - 1)
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab(tmp_path_factory):
+    folder = make_tiny_model("llama", tmp_path_factory.mktemp("v5") / "m", vocab_size=V, seed=3)
+    return load_folder(folder, "v5")
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_sampled_speculation_matches_the_target_distribution(tiny_vocab, top_p, monkeypatch):
+    params = SamplingParams(temperature=1.0, top_p=top_p, max_tokens=3)
+    expected = _expected(tiny_vocab, params)
+    q_fixed = np.array([0.4, 0.1, 0.2, 0.2, 0.1])  # a draft that disagrees with the target
+    counts = _joint_test(tiny_vocab, params, lambda ctx: q_fixed, None, np.random.default_rng(0))
+    assert _chi2_pvalue(counts, expected) > 1e-3
+    # the same test catches a wrong rule: accepting with probability p(d), ignoring q
+    monkeypatch.setattr(verify_module, "accept_draft", lambda u, p_d, q_d: u <= p_d)
+    wrong = _joint_test(tiny_vocab, params, lambda ctx: q_fixed, None, np.random.default_rng(0))
+    assert _chi2_pvalue(wrong, expected) < 1e-6
