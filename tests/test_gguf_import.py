@@ -432,16 +432,12 @@ REAL = ("smollm2-135m", "gemma3-270m")
 
 
 @pytest.fixture(scope="module")
-def converted(gguf_file, tmp_path_factory: pytest.TempPathFactory):
-    cache: dict[tuple[str, str], tuple] = {}
+def converted(real_model):
+    """(model, tokenizer) prepared through the catalogue, as `tandem` prepares them."""
 
     def get(name: str, dtype: str) -> tuple:
-        if (name, dtype) not in cache:
-            out = tmp_path_factory.mktemp(f"{name}-{dtype}")
-            cache[(name, dtype)] = load(
-                str(convert_gguf(gguf_file(name), out, dtype=dtype, progress=False))
-            )
-        return cache[(name, dtype)]
+        loaded = real_model(name, dtype)
+        return loaded.model, loaded.tokenizer
 
     return get
 

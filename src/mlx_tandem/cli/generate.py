@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from mlx_tandem.cli.options import (
+    add_draft_flags,
     add_engine_flags,
     add_model_flags,
     add_sampling_flags,
@@ -42,6 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-step-size", type=int, default=2048)
     add_sampling_flags(p)
     add_engine_flags(p)
+    add_draft_flags(p)
     p.add_argument(
         "--engine",
         choices=("auto", "plain", "rows"),
@@ -83,7 +85,9 @@ def run(args: argparse.Namespace) -> int:
     texts = read_prompts(args)
     if args.engine == "plain" and len(texts) > 1:
         raise ValueError("--engine plain runs one prompt; use --engine rows for a batch")
-    use_rows = args.engine == "rows" or len(texts) > 1
+    if args.engine == "plain" and args.draft_model:
+        raise ValueError("--draft-model needs the rows engine (drop --engine plain)")
+    use_rows = args.engine == "rows" or len(texts) > 1 or bool(args.draft_model)
     config = runtime_config(args) if use_rows else None
     model = load(args.model, dtype=args.dtype, progress=not args.json)
     params = sampling_params(args, model.tokenizer)
@@ -124,6 +128,15 @@ def _json_result(
             for i in logprobs
         ]
     return out
+
+
+def spec_stats(stats) -> dict:
+    return {
+        "drafted": stats.drafted,
+        "accepted": stats.accepted,
+        "acceptance": stats.accepted / stats.drafted if stats.drafted else 0.0,
+        "mean_accepted_length": stats.mean_accepted_length,
+    }
 
 
 def run_plain(args, model, prompt: list[int], params) -> int:
@@ -171,8 +184,13 @@ def run_batch(args, model, prompts: list[list[int]], params, config) -> int:
     import time
 
     from mlx_tandem.engine.engine import Engine
+    from mlx_tandem.spec.factory import build_depth, build_drafter
 
-    engine = Engine(model, config)
+    drafter = depth = None
+    if args.draft_model:
+        depth = build_depth(args.draft_depth, args.num_draft_tokens)
+        drafter = build_drafter(args.draft_model, model, config, dtype=args.dtype)
+    engine = Engine(model, config, drafter=drafter, depth=depth)
     try:
         start = time.perf_counter()
         handles = [engine.submit(p, params) for p in prompts]
@@ -185,19 +203,32 @@ def run_batch(args, model, prompts: list[list[int]], params, config) -> int:
         total += len(res.tokens)
         if res.finish_reason == "error":
             raise RuntimeError(f"prompt {i}: {res.error}")
+        spec = spec_stats(res.stats) if drafter else None
         if args.json:
             timing = {"ttft_s": res.stats.ttft_s, "generation_tps": res.stats.generation_tps}
             body = _json_result(
                 model, res.text, res.tokens, prompt, res.finish_reason, timing, res.logprobs
             )
-            print(json.dumps({"index": i, **body}))
+            print(json.dumps({"index": i, **body, **({"speculative": spec} if spec else {})}))
         else:
             print(f"========== [{i}] {res.finish_reason}, {len(res.tokens)} tokens")
             print(res.text)
+            if args.verbose and spec:
+                print(
+                    f"drafted {spec['drafted']}, accepted {spec['accepted']} "
+                    f"({spec['acceptance']:.2f}), mean accepted length "
+                    f"{spec['mean_accepted_length']:.2f}"
+                )
     if args.verbose and not args.json:
         print("=" * 10)
         print(
             f"Rows engine: {len(prompts)} prompts, {total} tokens in {elapsed:.2f} s "
             f"({total / elapsed:.1f} tokens-per-sec)"
         )
+        if drafter:
+            name = drafter.name
+            print(
+                f"Speculative ({name}): acceptance {engine.stats.acceptance(name):.2f} over "
+                f"{engine.stats.drafted.get(name, 0)} drafted tokens"
+            )
     return 0

@@ -103,6 +103,22 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_draft_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        help="speculative decoding: a draft model (folder, .gguf, catalogue name) "
+        "sharing the target's tokenizer, or 'ngram' for prompt lookup",
+    )
+    p.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=3,
+        help="tokens drafted per step (the maximum with --draft-depth adaptive)",
+    )
+    p.add_argument("--draft-depth", choices=("fixed", "adaptive"), default="fixed")
+
+
 def runtime_config(args: argparse.Namespace):
     from mlx_tandem.engine.config import RuntimeConfig, parse_bytes
 

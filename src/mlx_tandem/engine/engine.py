@@ -234,6 +234,7 @@ class Engine:
             self.stats.record(self.drafter.name, drafted, accepted)
         keep = []
         for i, (request, verdict) in enumerate(zip(rows, verdicts, strict=True)):
+            request.stats.steps += 1
             request.stats.drafted += len(drafts.tokens[i])
             request.stats.accepted += verdict.accepted
             out = accept_tokens(request, verdict.tokens, verdict.logprobs)

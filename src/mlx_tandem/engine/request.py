@@ -61,6 +61,12 @@ class RequestStats:
     finished: float | None = None
     drafted: int = 0
     accepted: int = 0
+    steps: int = 0  # decode steps (target forwards) this request took part in
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per target forward (1.0 without speculation)."""
+        return self.generation_tokens / self.steps if self.steps else 0.0
 
     @property
     def ttft_s(self) -> float:

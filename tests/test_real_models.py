@@ -1,0 +1,96 @@
+"""Real SmolLM2 (from PyPI): plain path == mlx-lm, rows engine batch-invariant, speculation lossless."""
+
+import json
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from mlx_tandem import SamplingParams
+from mlx_tandem.cli.main import main
+from mlx_tandem.engine.config import RuntimeConfig
+from mlx_tandem.engine.engine import Engine
+from mlx_tandem.engine.generate import decode_steps
+from mlx_tandem.engine.sampling import RowSampler
+from mlx_tandem.spec.depth import FixedDepth
+from mlx_tandem.spec.draft_model import DraftModelSource
+from mlx_tandem.spec.ngram import PromptLookupSource
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox",
+    "List three prime numbers.",
+    "Explain photosynthesis in one sentence.",
+    "Translate 'good morning' into Spanish.",
+    "Rewrite this sentence in the past tense: I walk to the store and I buy bread.",
+    "What is 12 times 12?",
+]
+CFG = RuntimeConfig.resolve(environ={}, prefill_chunk=64)
+
+
+@pytest.fixture(scope="module")
+def smollm2(real_model):
+    return real_model("smollm2-135m", "float32")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "native"])
+def test_plain_path_is_bit_identical_to_mlx_lm(real_model, dtype):
+    m = real_model("smollm2-135m", dtype)
+    prompt = m.encode(QUESTIONS[1])
+    sampler = RowSampler(SamplingParams(max_tokens=16), m.graph.vocab_size)
+    ours = list(decode_steps(m.graph, prompt, sampler, 16))
+    theirs = list(generate_step(mx.array(prompt), m.model, max_tokens=16))
+    assert [t for t, _ in ours] == [t for t, _ in theirs]
+    assert all(mx.array_equal(a.reshape(-1), b.reshape(-1)).item()
+               for (_, a), (_, b) in zip(ours, theirs, strict=True))
+
+
+def _params(i):
+    if i % 4 == 3:
+        return SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95, seed=i)
+    return SamplingParams(max_tokens=16)
+
+
+def _run(model, prompts, drafter=None, k=3, first=0):
+    engine = Engine(model, CFG, threaded=False, drafter=drafter, depth=FixedDepth(k))
+    handles = []
+    for i, p in enumerate(prompts, start=first):
+        handles.append(engine.submit(p, _params(i)))
+        engine.step()
+    engine.run_until_idle()
+    return [h.result().tokens for h in handles], engine
+
+
+@pytest.fixture(scope="module")
+def alone(smollm2):
+    prompts = [smollm2.encode(q) for q in QUESTIONS]
+    return prompts, [_run(smollm2, [p], first=i)[0][0] for i, p in enumerate(prompts)]
+
+
+def test_eight_prompts_batched_equal_each_alone(smollm2, alone):
+    prompts, expected = alone
+    got, _ = _run(smollm2, prompts)
+    assert got == expected
+    assert "Paris" in smollm2.tokenizer.decode(got[0])
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "self"])
+def test_speculation_is_lossless_on_smollm2(smollm2, alone, drafter):
+    prompts, expected = alone
+    source = PromptLookupSource() if drafter == "ngram" else DraftModelSource(smollm2, chunk=64)
+    got, engine = _run(smollm2, prompts, source, k=4)
+    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+        if _params(i).greedy:
+            assert g == e, QUESTIONS[i]
+    if drafter == "self":
+        assert engine.stats.acceptance(source.name) > 0.9
+
+
+def test_cli_answers_paris(capsys):
+    code = main(["generate", "--model", "smollm2-135m", "--prompt", "What is the capital of France?",
+                 "--max-tokens", "12", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and "Paris" in out["text"]
