@@ -95,7 +95,7 @@ class Engine:
             params,
             sampler,
             TextStream(self.model.tokenizer, params.stop),
-            self.model.eos_token_ids | set(params.stop_token_ids),
+            (set() if params.ignore_eos else self.model.eos_token_ids) | set(params.stop_token_ids),
             request_id,
         )
         with self._lock:
@@ -141,7 +141,7 @@ class Engine:
         """One engine step; returns False when there was nothing to do."""
         self._drain_inbox()
         self.scheduler.admit(len(self.running))
-        worked = self._prefill_chunk()
+        worked = self._prefill()
         if self.running:
             self._decode()
             worked = True
@@ -180,11 +180,25 @@ class Engine:
                 self._keep([j for j in range(len(self.running)) if j != i])
                 return
 
-    def _prefill_chunk(self) -> bool:
-        """Advance the oldest joining request by one chunk; join the cohort when done."""
-        if not self.scheduler.joining:
-            return False
-        request = self.scheduler.joining[0]
+    def _prefill(self) -> bool:
+        """Prefill joining rows, oldest first, whole chunks only, up to one chunk of tokens.
+
+        A row's chunk boundaries are fixed (multiples of the policy's chunk from
+        its start), so its prefill arithmetic never depends on what else runs;
+        several short prompts may share one step's budget.
+        """
+        budget, worked = self.prefill_policy.chunk, False
+        for request in list(self.scheduler.joining):
+            need = min(self.prefill_policy.chunk, len(request.prompt) - 1 - request.prefilled)
+            if worked and need > budget:
+                break
+            budget -= need
+            worked = True
+            self._prefill_one_chunk(request)
+        return worked
+
+    def _prefill_one_chunk(self, request: Request) -> None:
+        """Advance a joining request by one chunk; join the cohort when its prompt is done."""
         try:
             if request.joining is None:
                 request.joining = self.runner.blank_row()
@@ -202,7 +216,7 @@ class Engine:
                         companion.commit()
                 finally:
                     change.dispose()
-                self.scheduler.joining.pop(0)
+                self.scheduler.joining.remove(request)
                 request.joining = None
                 request.status = Status.RUNNING
                 self.running.append(request)
@@ -210,7 +224,6 @@ class Engine:
             self.scheduler.joining.remove(request)
             request.joining = None
             self._finish(request, "error", error=f"{type(err).__name__}: {err}")
-        return True
 
     def _decode(self) -> None:
         """draft -> verify -> accept -> rewind -> postprocess, for every running row."""

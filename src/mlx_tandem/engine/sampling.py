@@ -52,6 +52,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int = 0
     num_draft_tokens: int | None = None  # cap on drafted tokens per step (0: no speculation)
+    ignore_eos: bool = False  # generate max_tokens even past EOS (benchmarks)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:

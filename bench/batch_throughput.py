@@ -1,0 +1,89 @@
+"""Batched decoding throughput: mlx-tandem's rows engine vs mlx-lm's `batch_generate`.
+
+Same process, same loaded model, same chat-templated prompts, greedy, N new
+tokens per prompt (EOS ignored on both sides so every row does the same work).
+Reports total generated tok/s at B = 1, 4, 8, 16 and the tandem/mlx-lm ratio,
+for the default batch-invariant engine and with TANDEM_BATCH_INVARIANT=0, plus
+the time to first token of a request that joins a busy batch of 8.
+
+    .venv/bin/python bench/batch_throughput.py --model smollm2-135m --tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from common import PROMPTS, machine_line, timed
+from mlx_lm.generate import batch_generate
+
+from mlx_tandem import SamplingParams
+from mlx_tandem.engine.config import RuntimeConfig
+from mlx_tandem.engine.engine import Engine
+from mlx_tandem.models.loader import load
+
+
+def tandem_run(model, prompts, n: int, invariant: bool) -> int:
+    config = RuntimeConfig.resolve(max_rows=16, batch_invariant=invariant)
+    engine = Engine(model, config, threaded=False)
+    handles = [engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p in prompts]
+    engine.run_until_idle()
+    return sum(len(h.result().tokens) for h in handles)
+
+
+def mlx_lm_run(model, prompts, n: int) -> int:
+    eos = model.tokenizer._eos_token_ids
+    model.tokenizer._eos_token_ids = set()  # ignore EOS, as tandem does here
+    try:
+        out = batch_generate(model.model, model.tokenizer, prompts, max_tokens=n,
+                             return_token_ids=True)
+    finally:
+        model.tokenizer._eos_token_ids = eos
+    return sum(len(t) for t in out.token_ids)
+
+
+def join_ttft(model, prompts, n: int) -> float:
+    """Seconds from submit to first token for a request joining 8 running rows."""
+    engine = Engine(model, RuntimeConfig.resolve(max_rows=16), threaded=False)
+    for p in prompts[:8]:
+        engine.submit(p, SamplingParams(max_tokens=n * 4, ignore_eos=True))
+    for _ in range(12):
+        engine.step()
+    start = time.perf_counter()
+    late = engine.submit(prompts[8], SamplingParams(max_tokens=4, ignore_eos=True))
+    while not late.request.tokens:
+        engine.step()
+    ttft = time.perf_counter() - start
+    engine.shutdown()
+    return ttft
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--batches", default="1,4,8,16")
+    args = ap.parse_args()
+    model = load(args.model, dtype=args.dtype, progress=False)
+    prompts = [model.encode(p) for p in PROMPTS]
+    print(machine_line(f"batch throughput, {args.model} {model.dtype}, {args.tokens} tokens/row"))
+    print("| B | mlx-lm tok/s | tandem tok/s | ratio | tandem (invariance off) tok/s | ratio |")
+    print("|---|---|---|---|---|---|")
+    for b in [int(x) for x in args.batches.split(",")]:
+        batch = prompts[:b]
+        t_ref, n_ref = timed(lambda batch=batch: mlx_lm_run(model, batch, args.tokens), args.repeats)
+        t_inv, n_inv = timed(lambda batch=batch: tandem_run(model, batch, args.tokens, True),
+                             args.repeats)
+        t_off, n_off = timed(lambda batch=batch: tandem_run(model, batch, args.tokens, False),
+                             args.repeats)
+        ref, inv, off = n_ref / t_ref, n_inv / t_inv, n_off / t_off
+        print(f"| {b} | {ref:.1f} | {inv:.1f} | {inv / ref:.2f}x | {off:.1f} | {off / ref:.2f}x |",
+              flush=True)
+    print(f"\nTTFT of a request joining 8 running rows (tandem): "
+          f"{join_ttft(model, prompts, args.tokens):.2f} s")
+
+
+if __name__ == "__main__":
+    main()
