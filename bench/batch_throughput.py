@@ -11,6 +11,10 @@ the time to first token of a request that joins a busy batch of 8.
 
 from __future__ import annotations
 
+import mlx_tandem  # noqa: F401  (preloads OpenBLAS before anything imports mlx)
+
+# isort: split
+
 import argparse
 import time
 
