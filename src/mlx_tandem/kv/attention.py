@@ -20,6 +20,7 @@ any key width.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -27,27 +28,36 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-MIN_QUERY_ROWS = 16  # queries per (row, kv head) are padded to at least this many
+QUERY_ROW_CHOICES = (1, 2, 4, 8, 16)  # queries per (row, kv head) are padded to one of these
 KEY_CHUNK = 256  # `p v` is summed over fixed-size key chunks, in order
 
 
 def invariant_attention(
-    queries: mx.array, keys: mx.array, values: mx.array, scale: float, valid: mx.array
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    scale: float,
+    valid: mx.array,
+    query_rows: int | None = None,
 ) -> mx.array:
     """queries (B, H, L, D); keys/values (B, Hkv, W, D); valid (B, 1, L, W) bool -> (B, H, L, D).
 
     Shape rules that keep a row's arithmetic independent of the batch:
-      * scores `q k^T`: queries padded to MIN_QUERY_ROWS per kv head, so the
-        matmul's row count never changes; its inner dimension is the head dim;
-      * `p v`: keys split into KEY_CHUNK-wide chunks, each chunk's `v^T p^T`
-        a matmul of fixed inner size (a BLAS splits long inner dimensions at
-        points that depend on the total length), chunk results added in order,
+      * scores `q k^T`: queries padded to `query_rows` per kv head (the
+        smallest count this BLAS is shape-stable at, probed once per head
+        shape), so the matmul's row count never changes; its inner dimension
+        is the head dim;
+      * `p v`: keys split into KEY_CHUNK-wide chunks, each chunk's `p_c v_c` a
+        matmul of one fixed shape (a BLAS splits a long inner dimension at
+        points that depend on its total length), chunk results added in order,
         so trailing masked chunks add exact zeros.
     """
     B, H, L, D = queries.shape
     Hkv = keys.shape[1]
     rep = H // Hkv
-    Lp = max(L, MIN_QUERY_ROWS)
+    if query_rows is None:
+        query_rows = stable_query_rows(D, H, Hkv, str(queries.dtype))
+    Lp = max(L, query_rows)
     extra = -keys.shape[2] % KEY_CHUNK
     if extra:
         zeros = mx.zeros((B, Hkv, extra, D), keys.dtype)
@@ -64,14 +74,45 @@ def invariant_attention(
     if Lp > L:
         probs = mx.concatenate([probs, mx.zeros((B, Hkv, rep, Lp - L, W), probs.dtype)], axis=3)
     n = W // KEY_CHUNK
-    v_t = values.reshape(B, Hkv, n, KEY_CHUNK, D).transpose(0, 1, 2, 4, 3)
-    p_t = probs.reshape(B, Hkv, rep * Lp, n, KEY_CHUNK).transpose(0, 1, 3, 4, 2)
-    parts = v_t @ p_t  # (B, Hkv, n, D, rep*Lp)
+    chunks = probs.reshape(B, Hkv, rep * Lp, n, KEY_CHUNK).transpose(0, 1, 3, 2, 4)
+    parts = chunks @ values.reshape(B, Hkv, n, KEY_CHUNK, D)  # (B, Hkv, n, rep*Lp, D)
     out = parts[:, :, 0]
     for c in range(1, n):
         out = out + parts[:, :, c]
-    out = out.swapaxes(-1, -2).reshape(B, Hkv, rep, Lp, D)[:, :, :, :L]
-    return out.reshape(B, H, L, D)
+    return out.reshape(B, Hkv, rep, Lp, D)[:, :, :, :L].reshape(B, H, L, D)
+
+
+def attention_mismatches(query_rows: int, lens: list[int], L: int, H: int, Hkv: int, D: int,
+                         dtype: mx.Dtype = mx.float32) -> int:
+    """How many (row, query) outputs differ between a batched block call and one-query calls."""
+    k1, k2, k3 = mx.random.split(mx.random.key(sum(lens) + L), 3)
+    B, S = len(lens), max(lens) + L
+    q = mx.random.normal((B, H, L, D), key=k1).astype(dtype)
+    k = mx.random.normal((B, Hkv, S, D), key=k2).astype(dtype)
+    v = mx.random.normal((B, Hkv, S, D), key=k3).astype(dtype)
+    qpos = mx.array(lens)[:, None] + mx.arange(L)[None]
+    valid = (mx.arange(S)[None, None] <= qpos[:, :, None])[:, None]
+    out = invariant_attention(q, k, v, 0.125, valid, query_rows)
+    bad = 0
+    for i, n in enumerate(lens):
+        for j in range(L):
+            w = n + j + 1
+            va = (mx.arange(w)[None, None] <= n + j)[:, None]
+            alone = invariant_attention(q[i : i + 1, :, j : j + 1], k[i : i + 1, :, :w],
+                                        v[i : i + 1, :, :w], 0.125, va, query_rows)
+            bad += not mx.array_equal(alone, out[i : i + 1, :, j : j + 1]).item()
+    return bad
+
+
+@functools.cache
+def stable_query_rows(D: int, H: int, Hkv: int, dtype: str) -> int:
+    """Smallest query padding at which attention is shape-stable here (memoised probe)."""
+    mxdtype = getattr(mx, dtype.rsplit(".", 1)[-1])
+    for rows in QUERY_ROW_CHOICES:
+        if all(attention_mismatches(rows, [70, 300, 700, 3], L, H, Hkv, D, mxdtype) == 0
+               for L in (1, 3, 9)):
+            return rows
+    return QUERY_ROW_CHOICES[-1]
 
 
 def _dispatcher(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
