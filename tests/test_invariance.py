@@ -9,8 +9,8 @@ from mlx_tandem.models.invariance import PROBE_ROWS, probe_min_rows
 
 def test_probe_finds_a_row_count_from_which_rows_are_stable(tiny_model):
     m = tiny_model("llama")
-    need = probe_min_rows(m.model, m.graph.head)
     layer = m.model.model.layers[0].self_attn.k_proj
+    need = probe_min_rows(layer, layer.weight.shape[1])
     x = mx.random.normal((256, layer.weight.shape[1]), key=mx.random.key(1))
     ref = layer(x)
     for rows in [r for r in PROBE_ROWS if r >= need]:

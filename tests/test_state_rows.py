@@ -20,7 +20,7 @@ def decode(runner, rows, tokens, steps=6):
     out = [[] for _ in tokens]
     ids = mx.array(tokens, dtype=mx.int32)[:, None]
     for _ in range(steps):
-        logits = runner.logits(runner.forward(rows, ids), rows.row_count)[:, -1]
+        logits = runner.logits(runner.forward(rows, ids))[:, -1]
         mx.eval(logits)
         for i in range(rows.row_count):
             out[i].append(logits[i])

@@ -9,7 +9,10 @@ validated here, before any engine state exists.
     TANDEM_MAX_QUEUE          waiting requests before submit refuses (default 256)
     TANDEM_BATCH_INVARIANT    1/0: pad forwards so a row's arithmetic never depends on
                               the batch (default 1; 0 is faster at small batch, not exact)
-    TANDEM_COMPILED_DECODE    1/0: mx.compile the attention kernel (default 0, see BENCHMARKS)
+
+There is no compiled-decode switch: the decode step keeps per-row cache bookkeeping
+on the host, and compiling its attention kernel alone measured 0.8x-1.3x
+(bench/compiled_attention.py, docs/BENCHMARKS.md), so it is not used.
 """
 
 from __future__ import annotations
@@ -51,7 +54,6 @@ class RuntimeConfig:
     memory_budget: int | None = None
     max_queue: int = 256
     batch_invariant: bool = True
-    compiled_decode: bool = False
 
     def __post_init__(self) -> None:
         if self.max_rows < 1:
@@ -75,7 +77,7 @@ class RuntimeConfig:
             name = f"TANDEM_{f.name.upper()}"
             if f.name == "memory_budget":
                 values[f.name] = parse_bytes(raw)
-            elif f.name in ("batch_invariant", "compiled_decode"):
+            elif f.name == "batch_invariant":
                 values[f.name] = _bool(raw, name)
             else:
                 try:

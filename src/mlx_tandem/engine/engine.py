@@ -45,7 +45,7 @@ from mlx_tandem.engine.sampling import RowSampler, SamplingParams
 from mlx_tandem.engine.scheduler import MemoryModel, Scheduler
 from mlx_tandem.kv.state_rows import StateRows
 from mlx_tandem.models.loader import LoadedModel
-from mlx_tandem.spec.depth import AdaptiveDepth, FixedDepth
+from mlx_tandem.spec.depth import DepthPolicy, FixedDepth
 from mlx_tandem.spec.source import Drafts, DraftSource
 from mlx_tandem.spec.verify import verify
 
@@ -57,7 +57,7 @@ class Engine:
         config: RuntimeConfig | None = None,
         threaded: bool = True,
         drafter: DraftSource | None = None,
-        depth: FixedDepth | AdaptiveDepth | None = None,
+        depth: DepthPolicy | None = None,
     ) -> None:
         self.model = model
         self.config = config or RuntimeConfig.resolve()
@@ -78,6 +78,7 @@ class Engine:
         self._in_transit = 0  # submitted, not yet seen by the engine thread
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
         if threaded:
             self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
@@ -118,7 +119,7 @@ class Engine:
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
-            self._thread.join()
+            self._stopped.wait()
         for request in [*self.running, *self.scheduler.joining, *self.scheduler.waiting]:
             self._finish(request, "cancelled")
 
@@ -132,10 +133,17 @@ class Engine:
 
     # --- engine thread ----------------------------------------------------------------
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            if not self.step():
-                self._wake.wait(0.05)
-                self._wake.clear()
+        try:
+            while not self._stop.is_set():
+                if not self.step():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+        finally:
+            self._stopped.set()
+        # Park instead of exiting: when a thread that ran compiled MLX functions exits, MLX's
+        # per-thread cleanup needs the GIL, and during interpreter shutdown that aborts the
+        # process (exit code 134). A parked daemon thread is simply dropped at exit.
+        threading.Event().wait()
 
     def step(self) -> bool:
         """One engine step; returns False when there was nothing to do."""
@@ -237,7 +245,7 @@ class Engine:
         ids = mx.array([f + [0] * (width - len(f)) for f in feeds], dtype=mx.int32)
         before = self.rows.ends
         hidden = self.runner.forward(self.rows, ids, [len(f) for f in feeds])
-        verdicts = verify(rows, self.runner.logits(hidden, B, "all"), drafts.tokens, drafts.q)
+        verdicts = verify(rows, self.runner.logits(hidden, "all"), drafts.tokens, drafts.q)
         self.rows.set_ends([e + v.accepted + 1 for e, v in zip(before, verdicts, strict=True)])
         accepted = [v.accepted for v in verdicts]
         if self.drafter:

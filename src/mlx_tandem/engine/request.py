@@ -16,7 +16,7 @@ import enum
 import itertools
 import queue
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -115,6 +115,7 @@ class Request:
         self.spec_alpha: float | None = None  # per-token draft acceptance estimate (adaptive depth)
         self.stats = RequestStats(prompt_tokens=len(prompt), arrival=time.perf_counter())
         self.events: queue.Queue[RequestOutput] = queue.Queue()
+        self.listeners: list[Callable[[], None]] = []  # async iterators waiting for events
 
     @property
     def position(self) -> int:
@@ -123,6 +124,8 @@ class Request:
 
     def emit(self, out: RequestOutput) -> None:
         self.events.put(out)
+        for wake in self.listeners:
+            wake()
 
 
 class RequestHandle:
@@ -141,8 +144,17 @@ class RequestHandle:
                 return
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        """Async iteration without a thread per waiter: the engine wakes this loop on emit."""
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+        self.request.listeners.append(lambda: loop.call_soon_threadsafe(ready.set))
         while True:
-            out = await asyncio.to_thread(self.request.events.get)
+            try:
+                out = self.request.events.get_nowait()
+            except queue.Empty:
+                await ready.wait()
+                ready.clear()
+                continue
             yield out
             if out.finish_reason is not None:
                 return

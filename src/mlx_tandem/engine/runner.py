@@ -5,12 +5,14 @@ Two kinds of forward, and nothing else touches the model:
     is engine configuration, never batch state, so a row's prefill arithmetic
     is the same whatever else is running);
   * `forward(rows, ids, lengths)`: every row of the cohort, L tokens each
-    (ragged rows right-padded), padded with spare rows up to `min_rows` so
-    the matmul kernels never change with the cohort size.
-Both return hidden states; logits are projected only where callers ask.
+    (ragged rows right-padded).
+Both run a row-stable copy of the model (models/invariance.row_stable: every
+projection pads to the row count from which this BLAS is shape-stable) and
+return hidden states; logits are projected only where callers ask, through a
+head padded the same way.
 
-Oracle: tests/test_rows_exactness.py (each row's logits in any cohort equal
-the row decoded alone).
+Oracle: tests/test_state_rows.py, tests/test_engine.py (each row's logits and
+tokens in any cohort equal the row decoded alone).
 """
 
 from __future__ import annotations
@@ -19,16 +21,24 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
 from mlx_tandem.kv.state_rows import StateRows
-from mlx_tandem.models.graph import MlxLmGraph, Which
-from mlx_tandem.models.invariance import probe_min_rows
+from mlx_tandem.models.graph import MlxLmGraph, Which, bind_graph
+from mlx_tandem.models.invariance import pad_rows, probe_min_rows, row_stable
 from mlx_tandem.models.loader import LoadedModel
 
 
 class ModelRunner:
     def __init__(self, model: LoadedModel, batch_invariant: bool = True) -> None:
         self.model = model
-        self.graph: MlxLmGraph = model.graph
-        self.min_rows = probe_min_rows(model.model, model.graph.head) if batch_invariant else 1
+        self.row_needs: dict[tuple, int] = {}
+        if batch_invariant:
+            stable, self.row_needs = row_stable(model.model)
+            self.graph: MlxLmGraph = bind_graph(stable)
+            width = model.config.get("hidden_size") or stable.model.embed_tokens.weight.shape[-1]
+            head_rows = probe_min_rows(self.graph.head, int(width))
+            self.row_needs[("head",)] = head_rows
+            self.graph.head = pad_rows(self.graph.head, head_rows)
+        else:
+            self.graph = model.graph
 
     def empty_rows(self) -> StateRows:
         return StateRows.empty(self.model.model)
@@ -53,15 +63,11 @@ class ModelRunner:
         B, L = ids.shape
         assert rows.row_count == B
         before = rows.ends
-        spare = max(0, -(-self.min_rows // L) - B)
-        rows.ensure_spare(spare)
-        if rows.spare:
-            ids = mx.concatenate([ids, mx.zeros((rows.spare, L), ids.dtype)])
         recurrent = [c for c in rows.leaves() if isinstance(c, ArraysCache)]
         ragged = lengths is not None and any(n != L for n in lengths)
         if ragged:  # recurrent layers must not absorb the right padding
             for c in recurrent:
-                c.prepare(lengths=[*lengths, *([L] * rows.spare)])
+                c.prepare(lengths=lengths)
         hidden = self.graph.forward_hidden(ids, rows.layers)
         if ragged:
             for c in recurrent:
@@ -70,9 +76,5 @@ class ModelRunner:
         rows.set_ends([e + n for e, n in zip(before, advance, strict=True)])
         return hidden
 
-    def logits(self, hidden: mx.array, rows: int, which: Which = "last") -> mx.array:
-        """Project the first `rows` rows' positions (spare rows ride along for stable shapes)."""
-        extra = hidden.shape[0] - rows
-        if isinstance(which, mx.array) and extra > 0:
-            which = mx.concatenate([which, mx.zeros((extra, which.shape[1]), which.dtype)])
-        return self.graph.project_logits(hidden, which)[:rows]
+    def logits(self, hidden: mx.array, which: Which = "last") -> mx.array:
+        return self.graph.project_logits(hidden, which)

@@ -82,8 +82,9 @@ def invariant_attention(
     return out.reshape(B, Hkv, rep, Lp, D)[:, :, :, :L].reshape(B, H, L, D)
 
 
-def attention_mismatches(query_rows: int, lens: list[int], L: int, H: int, Hkv: int, D: int,
-                         dtype: mx.Dtype = mx.float32) -> int:
+def attention_mismatches(
+    query_rows: int, lens: list[int], L: int, H: int, Hkv: int, D: int, dtype: mx.Dtype = mx.float32
+) -> int:
     """How many (row, query) outputs differ between a batched block call and one-query calls."""
     k1, k2, k3 = mx.random.split(mx.random.key(sum(lens) + L), 3)
     B, S = len(lens), max(lens) + L
@@ -98,8 +99,14 @@ def attention_mismatches(query_rows: int, lens: list[int], L: int, H: int, Hkv: 
         for j in range(L):
             w = n + j + 1
             va = (mx.arange(w)[None, None] <= n + j)[:, None]
-            alone = invariant_attention(q[i : i + 1, :, j : j + 1], k[i : i + 1, :, :w],
-                                        v[i : i + 1, :, :w], 0.125, va, query_rows)
+            alone = invariant_attention(
+                q[i : i + 1, :, j : j + 1],
+                k[i : i + 1, :, :w],
+                v[i : i + 1, :, :w],
+                0.125,
+                va,
+                query_rows,
+            )
             bad += not mx.array_equal(alone, out[i : i + 1, :, j : j + 1]).item()
     return bad
 
@@ -109,8 +116,10 @@ def stable_query_rows(D: int, H: int, Hkv: int, dtype: str) -> int:
     """Smallest query padding at which attention is shape-stable here (memoised probe)."""
     mxdtype = getattr(mx, dtype.rsplit(".", 1)[-1])
     for rows in QUERY_ROW_CHOICES:
-        if all(attention_mismatches(rows, [70, 300, 700, 3], L, H, Hkv, D, mxdtype) == 0
-               for L in (1, 3, 9)):
+        if all(
+            attention_mismatches(rows, [70, 300, 700, 3], L, H, Hkv, D, mxdtype) == 0
+            for L in (1, 3, 9)
+        ):
             return rows
     return QUERY_ROW_CHOICES[-1]
 

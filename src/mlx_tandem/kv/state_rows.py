@@ -9,11 +9,6 @@ gather rows and concatenate, and a snapshot:
     so a snapshot that keeps references is safe);
   * `CacheList` of either, recursively.
 
-Spare rows: under a fast BLAS a matmul's row result depends on how many rows
-the call has (models/invariance.py). When a forward would have fewer rows than
-the model's `min_rows`, the cohort carries spare rows after the real ones; they
-are invisible to callers (`row_count`, `ends`, `take` see real rows only).
-
 Oracle: tests/test_state_rows.py (rows alone vs in a cohort, through append,
 filter, extract, merge and clone; a failed append leaves the cohort untouched).
 """
@@ -118,12 +113,11 @@ def _leaves(layers: list[LayerCache]) -> list[Any]:
 
 
 class StateRows:
-    """All layers' state for `row_count` real rows (plus `spare` hidden rows after them)."""
+    """All layers' state for `row_count` rows."""
 
-    def __init__(self, layers: list[LayerCache], rows: int, spare: int = 0) -> None:
+    def __init__(self, layers: list[LayerCache], rows: int) -> None:
         self.layers = layers
         self.rows = rows
-        self.spare = spare
 
     @classmethod
     def empty(cls, model: nn.Module) -> StateRows:
@@ -153,40 +147,34 @@ class StateRows:
 
     @property
     def ends(self) -> list[int]:
-        """Tokens held by each real row (from the first attention layer)."""
-        kv = [c for c in _leaves(self.layers) if isinstance(c, RowKVCache)]
-        return kv[0].ends[: self.rows] if kv else []
+        """Tokens held by each row (from the first attention layer)."""
+        kv = [c for c in self.leaves() if isinstance(c, RowKVCache)]
+        return list(kv[0].ends) if kv else []
 
-    def _physical(self, real: list[int], spare: bool) -> list[LayerCache]:
-        idx = [*real, *(range(self.rows, self.rows + self.spare) if spare else ())]
-        return [_gather(c, idx) for c in self.layers]
-
-    def _combine(self, parts: list[tuple[list[LayerCache], int]]) -> list[LayerCache]:
-        parts = [p for p in parts if p[1] > 0]
-        counts = [n for _, n in parts]
-        return [_concat([p[j] for p, _ in parts], counts) for j in range(len(self.layers))]
+    def _combine(self, parts: list[StateRows]) -> list[LayerCache]:
+        parts = [p for p in parts if p.rows > 0]
+        counts = [p.rows for p in parts]
+        return [_concat([p.layers[j] for p in parts], counts) for j in range(len(self.layers))]
 
     # --- cohort membership --------------------------------------------------------
     def take(self, idx: list[int]) -> StateRows:
-        """A new StateRows holding the given real rows, in order."""
+        """A new StateRows holding the given rows, in order."""
         assert all(0 <= i < self.rows for i in idx), f"row index out of range: {idx}"
-        return StateRows(self._physical(idx, spare=False), len(idx))
+        return StateRows([_gather(c, idx) for c in self.layers], len(idx))
 
     def extract_row(self, i: int) -> StateRows:
         return self.take([i])
 
     def clone(self) -> StateRows:
         """A cheap snapshot: MLX arrays are immutable, so share them; copy the row ends."""
-        return StateRows([_snapshot(c) for c in self.layers], self.rows, self.spare)
+        return StateRows([_snapshot(c) for c in self.layers], self.rows)
 
     def prepare_append(self, rows: list[StateRows]) -> PreparedChange:
         """Compute the cohort with `rows` appended; nothing changes until commit()."""
         added = sum(r.rows for r in rows)
         if not added:
             return PreparedChange(lambda: None, lambda: None)
-        real = (self._physical(list(range(self.rows)), spare=False), self.rows)
-        spare = (self._physical([], spare=True), self.spare)
-        staged = {"layers": self._combine([real, *[(r.layers, r.rows) for r in rows], spare])}
+        staged = {"layers": self._combine([self, *rows])}
 
         def commit() -> None:
             self.layers, self.rows = staged.pop("layers"), self.rows + added
@@ -194,59 +182,44 @@ class StateRows:
         return PreparedChange(commit=commit, dispose=staged.clear)
 
     def filter_rows(self, keep: list[int]) -> None:
-        """Keep only the given real rows, in that order; dropped rows' memory is released."""
-        assert all(0 <= i < self.rows for i in keep), f"row index out of range: {keep}"
+        """Keep only the given rows, in that order; dropped rows' memory is released."""
         if keep != list(range(self.rows)):
-            self.layers, self.rows = self._physical(keep, spare=True), len(keep)
+            taken = self.take(keep)
+            self.layers, self.rows = taken.layers, taken.rows
 
     def merge_rows(self, rows: list[StateRows]) -> None:
-        """Replace the real rows by `rows` (e.g. per-row snapshots), in order."""
+        """Replace the rows by `rows` (e.g. per-row snapshots), in order."""
         assert sum(r.rows for r in rows) == self.rows, "merge_rows must supply every row"
-        spare = (self._physical([], spare=True), self.spare)
-        self.layers = self._combine([*[(r.layers, r.rows) for r in rows], spare])
+        self.layers = self._combine(rows)
 
-    # --- per-forward helpers ------------------------------------------------------
-    def ensure_spare(self, n: int) -> None:
-        """Carry at least n spare rows (they are only ever added, never shrunk)."""
-        if n > self.spare:
-            blank = [_blank(c, n - self.spare) for c in self.layers]
-            total = self.rows + self.spare
-            self.layers = self._combine([(self.layers, total), (blank, n - self.spare)])
-            self.spare = n
-
+    # --- rewind -----------------------------------------------------------------------
     def restore_rows(self, snapshots: list[StateRows], choice: list[int]) -> None:
         """Row i takes its state from snapshots[choice[i]] (clones of this cohort).
 
         Attention layers restore the snapshot's end (their data below it is
         never rewritten); recurrent layers gather the snapshot's arrays.
-        Spare rows keep their current state.
         """
         assert len(choice) == self.rows
         sources = [s.leaves() for s in snapshots]
         picks = mx.array(choice, dtype=mx.int32)
         for n, leaf in enumerate(self.leaves()):
             if isinstance(leaf, RowKVCache):
-                ends = [sources[c][n].ends[i] for i, c in enumerate(choice)]
-                leaf.ends = ends + leaf.ends[self.rows :]
+                leaf.ends = [sources[c][n].ends[i] for i, c in enumerate(choice)]
                 continue
             for j, current in enumerate(leaf.cache):
-                if current is None:
-                    continue
-                stacked = mx.stack([src[n].cache[j][: self.rows] for src in sources])
-                rows = stacked[picks, mx.arange(self.rows)]
-                leaf.cache[j] = mx.concatenate([rows, current[self.rows :]]) if self.spare else rows
+                if current is not None:
+                    stacked = mx.stack([src[n].cache[j] for src in sources])
+                    leaf.cache[j] = stacked[picks, mx.arange(self.rows)]
 
     def set_ends(self, ends: list[int]) -> None:
-        """Rewind each real row's attention state to `ends`; spare rows restart at 0."""
-        assert len(ends) == self.rows
-        full = [*ends, *([0] * self.spare)]
-        for c in _leaves(self.layers):
+        """Rewind each row's attention state to `ends`."""
+        for c in self.leaves():
             if isinstance(c, RowKVCache):
-                c.set_ends(full)
+                c.set_ends(ends)
 
     def arrays(self) -> list[mx.array]:
         out: list[mx.array] = []
-        for c in _leaves(self.layers):
+        for c in self.leaves():
             out.extend(
                 a for a in (c.state if isinstance(c, RowKVCache) else c.cache) if a is not None
             )

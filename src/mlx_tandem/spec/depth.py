@@ -13,9 +13,31 @@ its estimate can recover.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from mlx_tandem.engine.request import Request
 
 PROBE = 8
+
+
+class DepthPolicy(Protocol):
+    name: str
+
+    def depths(self, requests: list[Request]) -> list[int]:
+        """Tokens to draft for each row this step."""
+        ...
+
+    def observe(
+        self,
+        requests: list[Request],
+        drafted: list[int],
+        accepted: list[int],
+        draft_s: float,
+        verify_s: float,
+        width: int,
+    ) -> None:
+        """Learn from a finished step: per-row drafted/accepted, seconds, verify width."""
+        ...
 
 
 def row_cap(request: Request, k: int) -> int:
@@ -35,16 +57,8 @@ class FixedDepth:
     def depths(self, requests: list[Request]) -> list[int]:
         return [row_cap(r, self.k) for r in requests]
 
-    def observe(
-        self,
-        requests: list[Request],
-        drafted: list[int],
-        accepted: list[int],
-        draft_s: float,
-        verify_s: float,
-        width: int,
-    ) -> None:
-        pass
+    def observe(self, *args: object) -> None:
+        """A fixed depth learns nothing."""
 
 
 class AdaptiveDepth:

@@ -17,10 +17,9 @@ import mlx.core as mx
 
 from mlx_tandem.engine.request import Request
 from mlx_tandem.engine.runner import ModelRunner
-from mlx_tandem.engine.sampling import PURPOSE_DRAFT, position_key
 from mlx_tandem.kv.state_rows import PreparedChange, StateRows
 from mlx_tandem.models.loader import LoadedModel
-from mlx_tandem.spec.source import Drafts
+from mlx_tandem.spec.source import DraftRowSampling, Drafts
 
 
 def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
@@ -39,6 +38,7 @@ class DraftModelSource:
         self.runner = ModelRunner(model, batch_invariant=batch_invariant)
         self.rows: StateRows = self.runner.empty_rows()
         self.chunk = chunk
+        self.sampling = DraftRowSampling()
         self.pending_last: list[int | None] = []
         self._history: list[StateRows] = []
         self._drafts: list[list[int]] = []
@@ -63,25 +63,8 @@ class DraftModelSource:
         self.rows.filter_rows(keep)
         self.pending_last = [self.pending_last[i] for i in keep]
 
-    def _sample(
-        self, requests: list[Request], logits: mx.array, position: int
-    ) -> tuple[mx.array, list]:
-        """One draft token per row (B,), and per sampled row its q distribution (1, V)."""
-        tokens, qs = [], []
-        for i, r in enumerate(requests):
-            lp = logits[i : i + 1] - mx.logsumexp(logits[i : i + 1], axis=-1, keepdims=True)
-            if r.sampler.params.greedy:
-                tokens.append(mx.argmax(lp, axis=-1))
-                qs.append(None)
-                continue
-            sl = r.sampler.sample_logits(lp)
-            key = position_key(r.sampler.seed, r.position + position, PURPOSE_DRAFT)
-            tokens.append(mx.random.categorical(sl, key=key))
-            qs.append(mx.softmax(sl.astype(mx.float32), axis=-1))
-        return mx.concatenate(tokens), qs
-
     def draft(self, requests: list[Request], depths: list[int]) -> Drafts:
-        B, depth = len(requests), max(depths, default=0)
+        depth = max(depths, default=0)
         self._history, self._depth = [], depth
         feeds = [
             [r.pending] if last is None else [last, r.pending]
@@ -99,10 +82,10 @@ class DraftModelSource:
                 break
             if step == 0 and width > 1:  # each row's last real position
                 picks = mx.array([n - 1 for n in lengths], dtype=mx.int32)[:, None]
-                logits = self.runner.logits(hidden, B, picks)[:, 0]
+                logits = self.runner.logits(hidden, picks)[:, 0]
             else:
-                logits = self.runner.logits(hidden, B)[:, -1]
-            token, q = self._sample(requests, logits, step)
+                logits = self.runner.logits(hidden)[:, -1]
+            token, q = self.sampling.sample(requests, logits, step)
             columns.append(token)
             for i, qi in enumerate(q):
                 qs[i].append(qi)

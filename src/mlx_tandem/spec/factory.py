@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mlx_tandem.engine.config import RuntimeConfig
 from mlx_tandem.models.loader import LoadedModel, load
-from mlx_tandem.spec.depth import AdaptiveDepth, FixedDepth
+from mlx_tandem.spec.depth import AdaptiveDepth, DepthPolicy, FixedDepth
 from mlx_tandem.spec.draft_model import DraftModelSource, check_compatible
 from mlx_tandem.spec.ngram import PromptLookupSource
 from mlx_tandem.spec.source import DraftSource
@@ -25,7 +25,7 @@ def build_drafter(
     )
 
 
-def build_depth(kind: str, num_draft_tokens: int) -> FixedDepth | AdaptiveDepth:
+def build_depth(kind: str, num_draft_tokens: int) -> DepthPolicy:
     if kind not in DEPTHS:
         raise ValueError(f"unknown draft depth {kind!r} (choose from {', '.join(DEPTHS)})")
     if num_draft_tokens < 0:

@@ -13,12 +13,15 @@ verifier needs it for the rejection rule.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Protocol
 
 import mlx.core as mx
+import numpy as np
 
 from mlx_tandem.engine.request import Request
+from mlx_tandem.engine.sampling import PURPOSE_DRAFT, position_keys
 from mlx_tandem.kv.state_rows import PreparedChange
 
 
@@ -44,3 +47,36 @@ class DraftSource(Protocol):
         ...
 
     def release(self) -> None: ...
+
+
+class DraftRowSampling:
+    """The drafter's per-row sampler (the seed's `DraftRowSampling`).
+
+    Greedy rows draft the argmax. Sampled rows draw from the draft logits through the
+    row's own truncation filters and temperature, keyed by (seed, absolute position,
+    PURPOSE_DRAFT), so a row's drafts never depend on batch composition; their q is
+    returned for the rejection rule. Rows sharing sampling settings share the ops.
+    """
+
+    def sample(
+        self, requests: list[Request], logits: mx.array, step: int
+    ) -> tuple[mx.array, list[mx.array | None]]:
+        """logits (B, V) for draft step `step` -> tokens (B,), q per row ((1, V) or None)."""
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        tokens = list(mx.argmax(lp, axis=-1))
+        qs: list[mx.array | None] = [None] * len(requests)
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        for i, r in enumerate(requests):
+            if not r.sampler.params.greedy:
+                groups[r.sampler.filter_key].append(i)
+        for idx in groups.values():
+            rows = [requests[i] for i in idx]
+            sl = rows[0].sampler.sample_logits(lp[mx.array(idx, dtype=mx.int32)])
+            positions = np.array([[r.position + step] for r in rows])
+            keys = position_keys([r.sampler.seed for r in rows], positions, PURPOSE_DRAFT)
+            draws = mx.vmap(lambda k, x: mx.random.categorical(x, key=k))(keys[:, 0], sl)
+            q = mx.softmax(sl.astype(mx.float32), axis=-1)
+            for n, i in enumerate(idx):
+                tokens[i] = draws[n]
+                qs[i] = q[n : n + 1]
+        return mx.stack(tokens), qs

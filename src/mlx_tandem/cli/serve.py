@@ -1,0 +1,240 @@
+"""`tandem serve`: the OpenAI-compatible server, with mlx_lm.server's flags (a drop-in for it).
+
+    tandem serve --model smollm2-135m [--host 127.0.0.1] [--port 8080] [--draft-model ngram]
+
+mlx_lm.server's flags: --model --host --port --draft-model --num-draft-tokens --temp --top-p
+--top-k --min-p --max-tokens --chat-template --chat-template-args --log-level (and
+--allowed-origins, --decode-concurrency, --prefill-step-size as aliases of ours). Ours:
+--max-rows --memory-budget --max-queue --api-key --cors-origin --dtype --draft-depth
+--max-body-size --drain-timeout. Speculation is on by default (prompt lookup,
+`--draft-model ngram`); `--draft-model none` turns it off.
+
+Checks before anything loads: flag values (JSON of --chat-template-args, sizes, ports).
+Shutdown: the first SIGINT/SIGTERM stops accepting connections and new requests, lets
+running rows finish for --drain-timeout seconds, then cancels the rest (their streams end
+with finish_reason "abort"); the process exits 0. A second SIGINT forces the exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from mlx_tandem.cli.options import (
+    add_draft_flags,
+    add_engine_flags,
+    add_model_flags,
+    runtime_config,
+)
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (a drop-in for mlx_lm.server)")
+    add_model_flags(p)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
+    p.add_argument(
+        "--port", type=int, default=8080, help="port (default: 8080; 0 picks a free one)"
+    )
+    add_draft_flags(p)
+    p.set_defaults(draft_model="ngram")
+    p.add_argument("--temp", type=float, default=0.0, help="default sampling temperature")
+    p.add_argument("--top-p", type=float, default=1.0, help="default nucleus sampling top-p")
+    p.add_argument("--top-k", type=int, default=0, help="default top-k (0 disables it)")
+    p.add_argument("--min-p", type=float, default=0.0, help="default min-p (0 disables it)")
+    p.add_argument("--max-tokens", type=int, default=512, help="default max tokens per choice")
+    p.add_argument("--chat-template", default="", help="a chat template (text or a file path)")
+    p.add_argument(
+        "--chat-template-args",
+        default="{}",
+        help="JSON kwargs for apply_chat_template, e.g. '{\"enable_thinking\": false}'",
+    )
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
+    add_engine_flags(p)
+    p.add_argument("--decode-concurrency", dest="max_rows", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--prefill-step-size", dest="prefill_chunk", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--max-queue", type=int, default=None, help="waiting requests before 429 (256)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("TANDEM_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+        "(default: $TANDEM_API_KEY; none)",
+    )
+    p.add_argument(
+        "--cors-origin",
+        "--allowed-origins",
+        dest="cors_origin",
+        action="append",
+        default=[],
+        help="allow this browser origin (repeatable or comma-separated; default: CORS off)",
+    )
+    p.add_argument("--max-body-size", default="4M", help="largest request body (default 4M)")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=10.0,
+        help="on SIGINT/SIGTERM, seconds running rows may finish before they are cancelled",
+    )
+    p.set_defaults(run=run)
+
+
+def chat_template_args(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text or "{}")
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--chat-template-args is not valid JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise ValueError("--chat-template-args must be a JSON object")
+    return value
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.drain_timeout < 0:
+        raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key is empty")
+    from mlx_tandem.engine.sampling import SamplingParams
+
+    SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
+
+
+def set_chat_template(tokenizer: Any, template: str) -> None:
+    """--chat-template: a template's text, or a file holding one."""
+    path = Path(template)
+    if len(template) < 4096 and "{" not in template and path.is_file():
+        template = path.read_text(encoding="utf-8")
+    tokenizer.chat_template = template
+    tokenizer.has_chat_template = True
+
+
+def run(args: argparse.Namespace) -> int:
+    from mlx_tandem.engine.config import parse_bytes
+
+    check_args(args)
+    template_args = chat_template_args(args.chat_template_args)
+    max_body = parse_bytes(args.max_body_size)
+    origins = tuple(o.strip() for item in args.cors_origin for o in item.split(",") if o.strip())
+    config = runtime_config(args)
+    if args.max_queue is not None:
+        config = config.with_(max_queue=args.max_queue)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+    import uvicorn
+
+    from mlx_tandem.engine.engine import Engine
+    from mlx_tandem.models.loader import load
+    from mlx_tandem.server.app import ServerOptions, create_app
+    from mlx_tandem.spec.factory import build_depth, build_drafter
+
+    model = load(args.model, dtype=args.dtype)
+    if args.chat_template:
+        set_chat_template(model.tokenizer, args.chat_template)
+    drafter = depth = None
+    spec = args.draft_model if args.draft_model and args.draft_model.lower() != "none" else None
+    if spec:
+        depth = build_depth(args.draft_depth, args.num_draft_tokens)
+        drafter = build_drafter(spec, model, config, dtype=args.dtype)
+    engine = Engine(model, config, drafter=drafter, depth=depth)
+    options = ServerOptions(
+        model_id=model.name,
+        max_tokens=args.max_tokens,
+        temperature=args.temp,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        chat_template_args=template_args,
+        api_key=args.api_key,
+        cors_origins=origins,
+        max_body_bytes=max_body,
+    )
+    app = create_app(model, engine, options)
+    uv = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        timeout_graceful_shutdown=int(args.drain_timeout) + 5,
+        access_log=args.log_level == "DEBUG",
+    )
+    lines = banner(model.name, spec, args, bool(args.api_key))
+    server = make_server(uv, app.state.tandem, args.drain_timeout, lines)
+    code = 0
+    try:
+        server.run()
+    except SystemExit as exc:  # uvicorn exits 1 when it cannot bind
+        code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        engine.shutdown(drain=False)
+    return code
+
+
+def banner(name: str, spec: str | None, args: argparse.Namespace, keyed: bool):
+    """The start-up lines, given the bound port (the URL and a curl line to try)."""
+
+    def lines(port: int) -> str:
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        url = f"http://{host}:{port}"
+        speculation = f"{spec}, {args.num_draft_tokens} tokens" if spec else "off"
+        auth = ' -H "Authorization: Bearer $TANDEM_API_KEY"' if keyed else ""
+        body = json.dumps({"messages": [{"role": "user", "content": "Hello!"}]})
+        return (
+            f"tandem serve: {name} on {url} (speculation: {speculation})\n"
+            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+            f"-d '{body}'"
+        )
+
+    return lines
+
+
+def make_server(config: Any, state: Any, drain_timeout: float, banner: Any = None) -> Any:
+    """uvicorn.Server with tandem's shutdown: drain, then cancel; exit 0, no re-raised signal."""
+    import uvicorn
+
+    class TandemServer(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if banner is not None and self.servers and not self.should_exit:
+                print(banner(self.servers[0].sockets[0].getsockname()[1]), flush=True)
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            handled = (signal.SIGINT, signal.SIGTERM)
+            previous = {s: signal.signal(s, self.handle_exit) for s in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if self.should_exit:
+                self.force_exit = self.force_exit or sig == signal.SIGINT
+                return
+            print(
+                f"tandem serve: stopping (running rows get {drain_timeout:g} s to finish)",
+                file=sys.stderr,
+                flush=True,
+            )
+            state.begin_drain(drain_timeout)
+            self.should_exit = True
+
+    return TandemServer(config)

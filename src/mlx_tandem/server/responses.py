@@ -1,0 +1,285 @@
+"""Engine rows -> OpenAI responses: JSON bodies, SSE streams, logprobs, usage, tool calls.
+
+Owns the life of a request's rows once submitted: reading each row's events (the engine
+thread writes them to a blocking queue; a dedicated thread pool turns the waits into
+awaitables, so no stream waits on another's thread), folding them into per-choice state,
+shaping chat / text-completion bodies and SSE chunks, and releasing rows. Checks: a
+client that disconnects (stream or not) has its unfinished rows cancelled at once, so
+they leave the engine within one step; a row that errors gives a 500 (JSON) or an
+`error` event (SSE). Engine "cancelled" (server shutdown) is reported as "abort".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from mlx_tandem.engine.request import RequestHandle, RequestOutput
+from mlx_tandem.server.schemas import ApiError
+from mlx_tandem.server.tools import ToolCallStream
+
+if TYPE_CHECKING:
+    from mlx_tandem.server.app import ServerState
+
+# --- reading rows ------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """The server's view of one choice while its events arrive."""
+
+    index: int
+    tools: ToolCallStream | None
+    text: str = ""
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    tokens: int = 0
+    logprobs: list[Any] = field(default_factory=list)
+    finish: str | None = None
+    error: str | None = None
+    last_token: float | None = None
+
+
+async def merged_events(
+    state: ServerState, handles: list[RequestHandle]
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, event) from all rows, in arrival order, until every row has finished."""
+    loop = asyncio.get_running_loop()
+    inbox: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+
+    async def pump(i: int, handle: RequestHandle) -> None:
+        while True:
+            out = await loop.run_in_executor(state.pool, handle.request.events.get)
+            inbox.put_nowait((i, out))
+            if out.finish_reason is not None:
+                return
+
+    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        left = len(handles)
+        while left:
+            i, out = await inbox.get()
+            if out.finish_reason is not None:
+                left -= 1
+            yield i, out
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def observe(
+    state: ServerState, row: Row, out: RequestOutput, streaming: bool
+) -> tuple[str, list[dict]]:
+    """Fold one event into the row; returns (content delta, tool calls completed now)."""
+    now = time.perf_counter()
+    if out.tokens:
+        gap = None if row.last_token is None else now - row.last_token
+        state.metrics.record_tokens(len(out.tokens), gap)
+        row.last_token = now
+    row.tokens += len(out.tokens)
+    row.logprobs += out.logprobs
+    content, calls = out.text, []
+    if row.tools is not None:
+        content, calls = row.tools.feed(out.text, streaming)
+        if out.finish_reason is not None:
+            rest, more = row.tools.finish(streaming)
+            content, calls = content + rest, calls + more
+    row.text += content
+    row.calls += calls
+    if out.finish_reason is not None:
+        reason = out.finish_reason
+        if reason == "stop" and row.calls:
+            reason = "tool_calls"
+        row.finish, row.error = reason, out.error
+        ttft = out.stats.ttft_s if out.stats and out.stats.first_token else None
+        state.metrics.record_row(reason, ttft)
+    return content, calls
+
+
+def finish_reason(row: Row) -> str | None:
+    return "abort" if row.finish == "cancelled" else row.finish
+
+
+def release(state: ServerState, handles: list[RequestHandle], rows: list[Row]) -> None:
+    """Cancel rows that have not finished (client gone, or an error); stop tracking all."""
+    for handle, row in zip(handles, rows, strict=True):
+        if row.finish is None:
+            handle.cancel()
+            row.finish = "cancelled"
+            state.metrics.record_row("cancelled", None)
+    state.untrack(handles)
+
+
+# --- response shapes ----------------------------------------------------------------------------
+
+
+def chat_logprobs(state: ServerState, items: list[Any], k: int) -> dict[str, Any]:
+    def entry(token: int, lp: float) -> dict[str, Any]:
+        text = state.token_text(token)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for item in items:
+        top = [entry(t, lp) for t, lp in item.top[:k]]
+        content.append({**entry(item.token, item.logprob), "top_logprobs": top})
+    return {"content": content, "refusal": None}
+
+
+def text_logprobs(state: ServerState, items: list[Any], k: int, offset: int) -> dict[str, Any]:
+    tokens, offsets = [], []
+    for item in items:
+        tokens.append(state.token_text(item.token))
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    return {
+        "tokens": tokens,
+        "token_logprobs": [item.logprob for item in items],
+        "top_logprobs": [{state.token_text(t): lp for t, lp in item.top[:k]} for item in items],
+        "text_offset": offsets,
+    }
+
+
+def usage(prompts: list[list[int]], rows: list[Row]) -> dict[str, int]:
+    prompt = sum(len(p) for p in prompts)
+    completion = sum(r.tokens for r in rows)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+@dataclass
+class Job:
+    """One HTTP request turned into engine rows, and how to shape what they produce."""
+
+    chat: bool
+    prompts: list[list[int]]  # one per prompt (usage)
+    handles: list[RequestHandle]
+    rows: list[Row]
+    logprobs: int | None  # top-N to report; None = no logprobs
+    echo: list[str]  # per choice: text to put before the completion
+    stream: bool
+    include_usage: bool
+    id: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def envelope(self, state: ServerState, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {
+            "id": self.id,
+            "object": kind + ".chunk" if self.stream and self.chat else kind,
+            "created": self.created,
+            "model": state.options.model_id,
+            "system_fingerprint": state.fingerprint,
+            "choices": choices,
+        }
+
+
+def _shape_logprobs(state: ServerState, job: Job, row: Row, items: list[Any], offset: int):
+    if job.logprobs is None or not items:
+        return None
+    if job.chat:
+        return chat_logprobs(state, items, job.logprobs)
+    return text_logprobs(state, items, job.logprobs, offset)
+
+
+def complete_body(state: ServerState, job: Job) -> dict[str, Any]:
+    choices = []
+    for row in job.rows:
+        lp = _shape_logprobs(state, job, row, row.logprobs, len(job.echo[row.index]))
+        if job.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": row.text}
+            if row.calls:
+                message["content"] = row.text.strip() or None
+                message["tool_calls"] = row.calls
+            choice = {"index": row.index, "message": message}
+        else:
+            choice = {"index": row.index, "text": job.echo[row.index] + row.text}
+        choices.append({**choice, "logprobs": lp, "finish_reason": finish_reason(row)})
+    return {**job.envelope(state, choices), "usage": usage(job.prompts, job.rows)}
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def stream_body(state: ServerState, job: Job) -> AsyncIterator[str]:
+    def chunk(index: int, delta: dict[str, Any], lp: Any = None, reason: str | None = None) -> str:
+        if job.chat:
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
+        else:
+            text = delta.get("content", "")
+            choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
+        body = job.envelope(state, [choice])
+        if job.include_usage:
+            body["usage"] = None
+        return _sse(body)
+
+    try:
+        for row in job.rows:
+            if job.chat:
+                yield chunk(row.index, {"role": "assistant", "content": ""})
+            elif job.echo[row.index]:
+                yield chunk(row.index, {"content": job.echo[row.index]})
+        offsets = [len(e) for e in job.echo]
+        async for i, out in merged_events(state, job.handles):
+            row = job.rows[i]
+            content, calls = observe(state, row, out, True)
+            lp = _shape_logprobs(state, job, row, out.logprobs, offsets[i])
+            offsets[i] += sum(len(state.token_text(t)) for t in out.tokens)
+            delta: dict[str, Any] = {}
+            if content:
+                delta["content"] = content
+            if calls:
+                delta["tool_calls"] = calls
+            if delta or lp:
+                yield chunk(i, delta, lp)
+            if row.finish == "error":
+                err = {"message": row.error or "generation failed", "type": "server_error"}
+                yield _sse({"error": {**err, "param": None, "code": None}})
+            if row.finish is not None:
+                yield chunk(i, {}, None, finish_reason(row))
+        if job.include_usage:
+            yield _sse({**job.envelope(state, []), "usage": usage(job.prompts, job.rows)})
+        yield "data: [DONE]\n\n"
+    finally:
+        release(state, job.handles, job.rows)
+
+
+async def run_job(state: ServerState, request: Request, job: Job) -> Response:
+    if job.stream:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(
+            stream_body(state, job), media_type="text/event-stream", headers=headers
+        )
+
+    async def collect() -> None:
+        async for i, out in merged_events(state, job.handles):
+            observe(state, job.rows[i], out, False)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, gone = asyncio.create_task(collect()), asyncio.create_task(disconnected())
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+        release(state, job.handles, job.rows)
+    if not work.done() or work.cancelled():
+        return Response(status_code=499)  # nobody is listening
+    work.result()
+    failed = next((r for r in job.rows if r.finish == "error"), None)
+    if failed is not None:
+        raise ApiError(500, failed.error or "generation failed", None, "server_error")
+    return JSONResponse(complete_body(state, job))
