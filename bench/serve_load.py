@@ -51,7 +51,7 @@ def start(cmd: list[str], port: int) -> subprocess.Popen:
 
 
 async def one(client: httpx.AsyncClient, url: str, prompt: str, tokens: int) -> dict:
-    body = {"model": "m", "messages": [{"role": "user", "content": prompt}],
+    body = {"model": "default_model", "messages": [{"role": "user", "content": prompt}],
             "max_tokens": tokens, "temperature": 0.0, "stream": True}
     start = time.perf_counter()
     stamps: list[float] = []
@@ -89,6 +89,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--clients", default="1,8,32")
+    ap.add_argument("--only", default="", help="run only servers whose name contains this")
     args = ap.parse_args()
     folder = load(args.model, dtype=args.dtype, progress=False).path  # prepared mlx-lm folder
     py = sys.executable
@@ -107,6 +108,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     env_note = os.environ.get("TANDEM_BATCH_INVARIANT", "1")
     for name, cmd in servers.items():
+        if args.only not in name:
+            continue
         port = free_port()
         proc = start(cmd(port), port)
         try:

@@ -7,7 +7,8 @@ mlx_lm.server's flags: --model --host --port --draft-model --num-draft-tokens --
 --allowed-origins, --decode-concurrency, --prefill-step-size as aliases of ours). Ours:
 --max-rows --memory-budget --max-queue --api-key --cors-origin --dtype --draft-depth
 --max-body-size --drain-timeout. Speculation is on by default (prompt lookup,
-`--draft-model ngram`); `--draft-model none` turns it off.
+`--draft-model ngram`, `--draft-depth adaptive`: rows draft only as deep as their
+measured acceptance pays for); `--draft-model none` turns it off.
 
 Checks before anything loads: flag values (JSON of --chat-template-args, sizes, ports).
 Shutdown: the first SIGINT/SIGTERM stops accepting connections and new requests, lets
@@ -47,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--port", type=int, default=8080, help="port (default: 8080; 0 picks a free one)"
     )
     add_draft_flags(p)
-    p.set_defaults(draft_model="ngram")
+    p.set_defaults(draft_model="ngram", draft_depth="adaptive")  # adaptive: see BENCHMARKS
     p.add_argument("--temp", type=float, default=0.0, help="default sampling temperature")
     p.add_argument("--top-p", type=float, default=1.0, help="default nucleus sampling top-p")
     p.add_argument("--top-k", type=int, default=0, help="default top-k (0 disables it)")

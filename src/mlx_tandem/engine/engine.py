@@ -1,6 +1,6 @@
 """Engine: the continuously batched step loop over a cohort of rows.
 
-    step():  inbox -> admit -> one prefill chunk -> decode all running rows
+    step():  inbox -> admit -> prefill (<= one chunk of tokens) -> decode all running rows
 
     decode:  draft -> verify (one target forward) -> accept -> rewind -> postprocess
 
@@ -11,8 +11,9 @@ row's end back, and the drafter restores its rows to match.
 
 The cohort is `self.running` (Requests, one per row, in row order) and
 `self.rows` (their StateRows); they are filtered together, by one index list.
-Joining rows are prefilled alone, one chunk per step, so a long prompt never
-stalls running rows for more than one chunk, and merge into the cohort with
+Joining rows are prefilled alone, in whole chunks, at most one chunk's worth of
+tokens per step, so a long prompt never stalls running rows for more than one
+chunk; they merge into the cohort with
 their last prompt token pending: the next decode feeds it and samples from
 its logits, exactly as plain decoding does.
 

@@ -8,7 +8,8 @@ expected tokens per unit time,
     E(k) = (1 - alpha^(k+1)) / (1 - alpha),   cost(k) = 1 + k * c,
 where c is the measured cost of one more drafted-and-verified token relative
 to a plain step. A row at depth 0 is probed with depth 1 every PROBE steps so
-its estimate can recover.
+its estimate can recover; every RECALIBRATE steps (and first) all rows take
+a plain step, which measures the current cost of a step without drafts.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Protocol
 from mlx_tandem.engine.request import Request
 
 PROBE = 8
+RECALIBRATE = 32
 
 
 class DepthPolicy(Protocol):
@@ -70,6 +72,7 @@ class AdaptiveDepth:
         self.k_max, self.prior, self.smoothing = k_max, prior, smoothing
         self.plain_s: float | None = None  # seconds of a verify with no drafts
         self.per_token_s = 0.0  # extra seconds per drafted token (draft + verify)
+        self.steps = 0
 
     def _best(self, alpha: float) -> int:
         c = self.per_token_s / self.plain_s if self.plain_s else 0.1
@@ -82,6 +85,9 @@ class AdaptiveDepth:
         return best
 
     def depths(self, requests: list[Request]) -> list[int]:
+        self.steps += 1
+        if self.plain_s is None or self.steps % RECALIBRATE == 0:
+            return [0] * len(requests)  # a plain step: measures what a step costs right now
         out = []
         for r in requests:
             alpha = r.spec_alpha if r.spec_alpha is not None else self.prior
