@@ -29,7 +29,7 @@ from mlx_tandem import SamplingParams
 from mlx_tandem.engine.config import RuntimeConfig
 from mlx_tandem.engine.engine import Engine
 from mlx_tandem.models.loader import load
-from mlx_tandem.spec.depth import FixedDepth
+from mlx_tandem.spec.depth import AdaptiveDepth, FixedDepth
 from mlx_tandem.spec.draft_model import DraftModelSource
 from mlx_tandem.spec.ngram import PromptLookupSource
 
@@ -55,9 +55,10 @@ GROUNDED = [
 ]
 
 
-def tandem(model, prompts, n, drafter=None, k=4):
+def tandem(model, prompts, n, drafter=None, k=4, adaptive=False):
+    depth = AdaptiveDepth(k) if adaptive else FixedDepth(k)
     engine = Engine(model, RuntimeConfig.resolve(max_rows=16), threaded=False,
-                    drafter=drafter, depth=FixedDepth(k))
+                    drafter=drafter, depth=depth)
     start = time.perf_counter()
     handles = [engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p in prompts]
     engine.run_until_idle()
@@ -125,8 +126,10 @@ def main() -> None:
         plain = tandem(model, grounded[:b], n)
         row(f"(b) tandem plain, B={b} [baseline]", plain, plain)
         row(f"(b) mlx-lm batch_generate, B={b}", mlx_lm_batch(model, grounded[:b], n), plain)
-        row(f"(b) tandem ngram, B={b}", tandem(model, grounded[:b], n, PromptLookupSource(), k),
-            plain)
+        row(f"(b) tandem ngram, fixed k, B={b}",
+            tandem(model, grounded[:b], n, PromptLookupSource(), k), plain)
+        row(f"(b) tandem ngram, adaptive depth, B={b}",
+            tandem(model, grounded[:b], n, PromptLookupSource(), k, adaptive=True), plain)
     # (c) the self-draft pair at B=8
     plain = tandem(model, grounded, n)
     row("(c) tandem plain, B=8 [baseline]", plain, plain)
