@@ -18,8 +18,7 @@ import mlx_tandem  # noqa: F401  (preloads OpenBLAS before anything imports mlx)
 import argparse
 import time
 
-from common import PROMPTS, machine_line, timed
-from mlx_lm.generate import batch_generate
+from common import PROMPTS, machine_line, mlx_lm_batch, timed
 
 from mlx_tandem import SamplingParams
 from mlx_tandem.engine.config import RuntimeConfig
@@ -36,14 +35,7 @@ def tandem_run(model, prompts, n: int, invariant: bool) -> int:
 
 
 def mlx_lm_run(model, prompts, n: int) -> int:
-    eos = model.tokenizer._eos_token_ids
-    model.tokenizer._eos_token_ids = set()  # ignore EOS, as tandem does here
-    try:
-        out = batch_generate(model.model, model.tokenizer, prompts, max_tokens=n,
-                             return_token_ids=True)
-    finally:
-        model.tokenizer._eos_token_ids = eos
-    return sum(len(t) for t in out.token_ids)
+    return sum(len(t) for t in mlx_lm_batch(model, prompts, n))
 
 
 def join_ttft(model, prompts, n: int) -> float:

@@ -38,6 +38,20 @@ def machine_line(title: str) -> str:
             f"{time.strftime('%Y-%m-%d %H:%M')}")
 
 
+def mlx_lm_batch(model, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """mlx-lm's `batch_generate`, greedy, n tokens per prompt with EOS ignored (as tandem's runs)."""
+    from mlx_lm.generate import batch_generate
+
+    eos = model.tokenizer._eos_token_ids
+    model.tokenizer._eos_token_ids = set()
+    try:
+        out = batch_generate(model.model, model.tokenizer, prompts, max_tokens=n,
+                             return_token_ids=True)
+    finally:
+        model.tokenizer._eos_token_ids = eos
+    return out.token_ids
+
+
 def timed(fn: Callable[[], int], repeats: int) -> tuple[float, int]:
     """Median seconds of fn() over repeats (after one warm-up), and the tokens it reported."""
     tokens = fn()

@@ -22,8 +22,8 @@ import argparse
 import time
 
 import mlx.core as mx
-from common import machine_line
-from mlx_lm.generate import batch_generate, speculative_generate_step
+from common import machine_line, mlx_lm_batch
+from mlx_lm.generate import speculative_generate_step
 
 from mlx_tandem import SamplingParams
 from mlx_tandem.engine.config import RuntimeConfig
@@ -84,18 +84,12 @@ def mlx_lm_spec(model, prompt, n, k):
     return {"tps": len(tokens) / seconds, "acc": float("nan"), "al": float("nan"), "tokens": [tokens]}
 
 
-def mlx_lm_batch(model, prompts, n):
-    eos = model.tokenizer._eos_token_ids
-    model.tokenizer._eos_token_ids = set()
-    try:
-        start = time.perf_counter()
-        out = batch_generate(model.model, model.tokenizer, prompts, max_tokens=n,
-                             return_token_ids=True)
-        seconds = time.perf_counter() - start
-    finally:
-        model.tokenizer._eos_token_ids = eos
-    return {"tps": sum(len(t) for t in out.token_ids) / seconds, "acc": float("nan"),
-            "al": float("nan"), "tokens": out.token_ids}
+def mlx_lm_batch_row(model, prompts, n):
+    start = time.perf_counter()
+    tokens = mlx_lm_batch(model, prompts, n)
+    seconds = time.perf_counter() - start
+    return {"tps": sum(len(t) for t in tokens) / seconds, "acc": float("nan"),
+            "al": float("nan"), "tokens": tokens}
 
 
 def row(case, r, base):
@@ -125,7 +119,7 @@ def main() -> None:
     for b in (1, 8):
         plain = tandem(model, grounded[:b], n)
         row(f"(b) tandem plain, B={b} [baseline]", plain, plain)
-        row(f"(b) mlx-lm batch_generate, B={b}", mlx_lm_batch(model, grounded[:b], n), plain)
+        row(f"(b) mlx-lm batch_generate, B={b}", mlx_lm_batch_row(model, grounded[:b], n), plain)
         row(f"(b) tandem ngram, fixed k, B={b}",
             tandem(model, grounded[:b], n, PromptLookupSource(), k), plain)
         row(f"(b) tandem ngram, adaptive depth, B={b}",
