@@ -191,7 +191,8 @@ def banner(name: str, spec: str | None, args: argparse.Namespace, keyed: bool):
     def lines(port: int) -> str:
         host = f"[{args.host}]" if ":" in args.host else args.host
         url = f"http://{host}:{port}"
-        speculation = f"{spec}, {args.num_draft_tokens} tokens" if spec else "off"
+        depth = f"{args.draft_depth}, up to" if args.draft_depth == "adaptive" else "fixed"
+        speculation = f"{spec}, {depth} {args.num_draft_tokens} tokens" if spec else "off"
         auth = ' -H "Authorization: Bearer $TANDEM_API_KEY"' if keyed else ""
         body = json.dumps({"messages": [{"role": "user", "content": "Hello!"}]})
         return (
