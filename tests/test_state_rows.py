@@ -10,7 +10,7 @@ ARCHS = ("llama", "gemma3_text", "lfm2")
 
 
 def prefilled(runner, ids):
-    row = runner.blank_row()
+    row = runner.blank_rows(1)
     runner.prefill(row, ids, 16)
     return row
 
@@ -43,7 +43,7 @@ def runner(request, tiny_model):
 def alone(runner, i):
     rows = runner.empty_rows()
     rows.prepare_append(
-        [prefilled(runner, PROMPTS[i][:-1]) if len(PROMPTS[i]) > 1 else runner.blank_row()]
+        [prefilled(runner, PROMPTS[i][:-1]) if len(PROMPTS[i]) > 1 else runner.blank_rows(1)]
     ).commit()
     return decode(runner, rows, [PROMPTS[i][-1]])[0]
 
@@ -51,7 +51,7 @@ def alone(runner, i):
 def cohort(runner, idx):
     rows = runner.empty_rows()
     parts = [
-        prefilled(runner, PROMPTS[i][:-1]) if len(PROMPTS[i]) > 1 else runner.blank_row()
+        prefilled(runner, PROMPTS[i][:-1]) if len(PROMPTS[i]) > 1 else runner.blank_rows(1)
         for i in idx
     ]
     rows.prepare_append(parts).commit()

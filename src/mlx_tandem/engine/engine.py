@@ -193,46 +193,79 @@ class Engine:
         """Prefill joining rows, oldest first, whole chunks only, up to one chunk of tokens.
 
         A row's chunk boundaries are fixed (multiples of the policy's chunk from
-        its start), so its prefill arithmetic never depends on what else runs;
-        several short prompts may share one step's budget.
+        its start), so its prefill arithmetic never depends on what else runs.
+        Prompts that fit one chunk are prefilled together in one ragged forward
+        (batch-invariant like every other forward); longer ones chunk by chunk.
         """
-        budget, worked = self.prefill_policy.chunk, False
-        for request in list(self.scheduler.joining):
-            need = min(self.prefill_policy.chunk, len(request.prompt) - 1 - request.prefilled)
-            if worked and need > budget:
+        chunk = self.prefill_policy.chunk
+        budget, whole, partial = chunk, [], []
+        for request in self.scheduler.joining:
+            remaining = len(request.prompt) - 1 - request.prefilled
+            need = min(chunk, remaining)
+            if (whole or partial) and need > budget:
                 break
             budget -= need
-            worked = True
+            short = request.prefilled == 0 and remaining <= chunk
+            (whole if short else partial).append(request)
+        if whole:
+            self._prefill_together(whole)
+        for request in partial:
             self._prefill_one_chunk(request)
-        return worked
+        return bool(whole or partial)
+
+    def _prefill_together(self, requests: list[Request]) -> None:
+        """Prefill prompts that fit one chunk in one forward and join them to the cohort."""
+        try:
+            rows = self.runner.blank_rows(len(requests))
+            lengths = [len(r.prompt) - 1 for r in requests]
+            width = max(lengths)
+            if width:
+                ids = [
+                    r.prompt[:-1] + [0] * (width - n)
+                    for r, n in zip(requests, lengths, strict=True)
+                ]
+                self.runner.forward(rows, mx.array(ids, dtype=mx.int32), lengths)
+                mx.eval(*rows.arrays())
+            self._join(requests, rows)
+        except Exception as err:  # the cohort is untouched: the rows never joined
+            for request in requests:
+                self._fail_joining(request, err)
 
     def _prefill_one_chunk(self, request: Request) -> None:
         """Advance a joining request by one chunk; join the cohort when its prompt is done."""
         try:
             if request.joining is None:
-                request.joining = self.runner.blank_row()
+                request.joining = self.runner.blank_rows(1)
             todo = request.prompt[request.prefilled : len(request.prompt) - 1]
             piece = todo[: self.prefill_policy.chunk]
             if piece:
                 self.runner.prefill(request.joining, piece, self.prefill_policy.chunk)
                 request.prefilled += len(piece)
             if request.prefilled == len(request.prompt) - 1:
-                change = self.rows.prepare_append([request.joining])
-                try:
-                    companion = self.drafter.prepare_append([request]) if self.drafter else None
-                    change.commit()
-                    if companion is not None:
-                        companion.commit()
-                finally:
-                    change.dispose()
-                self.scheduler.joining.remove(request)
-                request.joining = None
-                request.status = Status.RUNNING
-                self.running.append(request)
+                self._join([request], request.joining)
         except Exception as err:  # the cohort is untouched: the row never joined
+            self._fail_joining(request, err)
+
+    def _join(self, requests: list[Request], rows: StateRows) -> None:
+        """Append prefilled rows (and the drafter's rows for them) to the cohort, all or nothing."""
+        change = self.rows.prepare_append([rows])
+        try:
+            companion = self.drafter.prepare_append(requests) if self.drafter else None
+            change.commit()
+            if companion is not None:
+                companion.commit()
+        finally:
+            change.dispose()
+        for request in requests:
             self.scheduler.joining.remove(request)
             request.joining = None
-            self._finish(request, "error", error=f"{type(err).__name__}: {err}")
+            request.status = Status.RUNNING
+            self.running.append(request)
+
+    def _fail_joining(self, request: Request, err: Exception) -> None:
+        self.scheduler.joining.remove(request)
+        request.joining = None
+        self._finish(request, "error", error=f"{type(err).__name__}: {err}")
 
     def _decode(self) -> None:
         """draft -> verify -> accept -> rewind -> postprocess, for every running row."""
@@ -319,7 +352,7 @@ def measure_memory(runner: ModelRunner) -> MemoryModel:
     """KV bytes per token and fixed bytes per row, from one real one-token forward."""
     from mlx_tandem.kv.row_cache import RowKVCache
 
-    row = runner.blank_row()
+    row = runner.blank_rows(1)
     runner.graph.forward_hidden(mx.array([[0]], dtype=mx.int32), row.layers)
     per_token = per_row = 0
     for leaf in row.leaves():

@@ -43,9 +43,9 @@ class ModelRunner:
     def empty_rows(self) -> StateRows:
         return StateRows.empty(self.model.model)
 
-    def blank_row(self) -> StateRows:
-        """A one-row state holding no tokens yet (a joining row before prefill)."""
-        return StateRows.blank(self.model.model, 1)
+    def blank_rows(self, n: int) -> StateRows:
+        """n rows holding no tokens yet (joining rows before prefill)."""
+        return StateRows.blank(self.model.model, n)
 
     def prefill(self, rows: StateRows, ids: list[int], chunk: int) -> mx.array:
         """Run a single row's tokens through `rows` (1 row) in chunks; return last hidden (1, 1, D)."""

@@ -47,7 +47,7 @@ class DraftModelSource:
     def prepare_append(self, requests: list[Request]) -> PreparedChange:
         parts = []
         for r in requests:  # the drafter sees the same prompt, minus the pending last token
-            row = self.runner.blank_row()
+            row = self.runner.blank_rows(1)
             if len(r.prompt) > 1:
                 self.runner.prefill(row, r.prompt[:-1], self.chunk)
             parts.append(row)
