@@ -122,3 +122,5 @@ def test_context_window_and_empty_prompt_errors(tiny_model):
         generate(m, [], max_tokens=3)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         generate(m, PROMPT, max_tokens=3, logit_bias={10**6: 1.0})
+    with pytest.raises(ValueError, match="prompt token 999999 is outside the vocabulary"):
+        generate(m, [*PROMPT, 999999], max_tokens=3)

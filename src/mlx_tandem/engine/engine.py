@@ -90,7 +90,9 @@ class Engine:
         self, prompt: list[int], params: SamplingParams, request_id: str | None = None
     ) -> RequestHandle:
         """Validate and queue a request; raises ValueError (QueueFull) before any state changes."""
-        check_prompt(prompt, params.max_tokens, self.model.context_length)
+        check_prompt(
+            prompt, params.max_tokens, self.model.context_length, self.model.graph.vocab_size
+        )
         sampler = RowSampler(params, self.model.graph.vocab_size)
         request = Request(
             prompt,

@@ -57,9 +57,12 @@ class GenerationResult:
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
-def check_prompt(prompt: list[int], max_tokens: int, context_length: int) -> None:
+def check_prompt(prompt: list[int], max_tokens: int, context_length: int, vocab_size: int) -> None:
     if not prompt:
         raise ValueError("prompt is empty: need at least one token")
+    bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt token {bad!r} is outside the vocabulary (size {vocab_size})")
     if len(prompt) + max_tokens > context_length:
         raise ValueError(
             f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the "
@@ -140,7 +143,7 @@ def stream_generate(
     """Generate text for one prompt (a string is encoded as-is, ids are used as given)."""
     params = params or SamplingParams(**overrides)
     prompt = prompt_ids(model, prompt)
-    check_prompt(prompt, params.max_tokens, model.context_length)
+    check_prompt(prompt, params.max_tokens, model.context_length, model.graph.vocab_size)
     sampler = RowSampler(params, model.graph.vocab_size)
     stop_ids = model.eos_token_ids | set(params.stop_token_ids)
     text = TextStream(model.tokenizer, params.stop)

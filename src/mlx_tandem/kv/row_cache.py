@@ -85,18 +85,7 @@ class RowKVCache:
     def state(self) -> list[mx.array]:
         return [a for a in (self.keys, self.values) if a is not None]
 
-    def empty(self) -> bool:
-        return self.keys is None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.state)
-
     # --- row operations (used by StateRows) -----------------------------------------
-    @property
-    def row_count(self) -> int:
-        return len(self.ends)
-
     def _reserve(self, width: int, keys: mx.array, values: mx.array) -> None:
         B, Hkv, _, D = keys.shape
         capacity = 0 if self.keys is None else self.keys.shape[2]

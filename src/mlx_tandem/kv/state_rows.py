@@ -224,7 +224,3 @@ class StateRows:
                 a for a in (c.state if isinstance(c, RowKVCache) else c.cache) if a is not None
             )
         return out
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays())
