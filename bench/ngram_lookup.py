@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 from common import machine_line
 
-from mlx_tandem.spec.ngram import PromptLookupSource
+from mlx_tandem.drafters.prompt_lookup import PromptLookupSource
 
 
 def main() -> None:

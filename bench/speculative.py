@@ -26,12 +26,12 @@ from common import machine_line, mlx_lm_batch
 from mlx_lm.generate import speculative_generate_step
 
 from mlx_tandem import SamplingParams
+from mlx_tandem.drafters.draft_model import DraftModelSource
+from mlx_tandem.drafters.prompt_lookup import PromptLookupSource
 from mlx_tandem.engine.config import RuntimeConfig
+from mlx_tandem.engine.depth import AdaptiveDepth, FixedDepth
 from mlx_tandem.engine.engine import Engine
 from mlx_tandem.models.loader import load
-from mlx_tandem.spec.depth import AdaptiveDepth, FixedDepth
-from mlx_tandem.spec.draft_model import DraftModelSource
-from mlx_tandem.spec.ngram import PromptLookupSource
 
 PASSAGE = (
     "The old harbour town wakes slowly. Fishing boats return at dawn, their decks crowded with "

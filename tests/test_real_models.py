@@ -8,13 +8,13 @@ from mlx_lm.generate import generate_step
 
 from mlx_tandem import SamplingParams
 from mlx_tandem.cli.main import main
+from mlx_tandem.drafters.draft_model import DraftModelSource
+from mlx_tandem.drafters.prompt_lookup import PromptLookupSource
 from mlx_tandem.engine.config import RuntimeConfig
+from mlx_tandem.engine.depth import FixedDepth
 from mlx_tandem.engine.engine import Engine
 from mlx_tandem.engine.generate import decode_steps
 from mlx_tandem.engine.sampling import RowSampler
-from mlx_tandem.spec.depth import FixedDepth
-from mlx_tandem.spec.draft_model import DraftModelSource
-from mlx_tandem.spec.ngram import PromptLookupSource
 
 pytestmark = pytest.mark.slow
 

@@ -26,15 +26,14 @@ import openai
 import pytest
 import uvicorn
 
+from mlx_tandem.drafters.factory import build_depth, build_drafter
 from mlx_tandem.engine.config import RuntimeConfig
 from mlx_tandem.engine.engine import Engine
-from mlx_tandem.engine.generate import prompt_ids
 from mlx_tandem.engine.sampling import SamplingParams
 from mlx_tandem.models.loader import LoadedModel, load_folder
 from mlx_tandem.models.tiny import make_tiny_model, tiny_tokenizer
 from mlx_tandem.server import ServerOptions, create_app
 from mlx_tandem.server.metrics import parse as parse_metrics
-from mlx_tandem.spec.factory import build_depth, build_drafter
 
 EOS = 256  # the tiny tokenizer's <eos>
 NO_EOS = {str(EOS): -100}
@@ -167,7 +166,7 @@ def test_chat_and_completions_json(plain, llama):
     t = plain.client.completions.create(
         model="x", prompt="Once upon", max_tokens=8, logit_bias=NO_EOS
     )
-    ids = prompt_ids(llama, "Once upon")
+    ids = llama.encode_text("Once upon")
     direct = plain.engine.submit(ids, SamplingParams(max_tokens=8, logit_bias={EOS: -100}))
     assert t.object == "text_completion" and t.model == llama.name
     assert t.choices[0].text == direct.result().text and t.choices[0].finish_reason == "length"

@@ -9,7 +9,10 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_tandem import SamplingParams
+from mlx_tandem.drafters.draft_model import DraftModelSource
+from mlx_tandem.drafters.prompt_lookup import PromptLookupSource, lookup
 from mlx_tandem.engine.config import RuntimeConfig
+from mlx_tandem.engine.depth import AdaptiveDepth, FixedDepth
 from mlx_tandem.engine.engine import Engine
 from mlx_tandem.engine.output import TextStream
 from mlx_tandem.engine.request import Request
@@ -17,9 +20,6 @@ from mlx_tandem.engine.sampling import RowSampler
 from mlx_tandem.models.loader import load_folder
 from mlx_tandem.models.tiny import make_tiny_model
 from mlx_tandem.spec import verify as verify_module
-from mlx_tandem.spec.depth import AdaptiveDepth, FixedDepth
-from mlx_tandem.spec.draft_model import DraftModelSource
-from mlx_tandem.spec.ngram import PromptLookupSource, lookup
 
 CFG = RuntimeConfig.resolve(environ={}, prefill_chunk=16)
 
@@ -144,7 +144,7 @@ def test_zero_draft_tokens_per_request_turns_speculation_off(target, drafters):
 
 
 def test_recurrent_target_and_vocab_mismatch_are_refused(tiny_model, target):
-    from mlx_tandem.spec.draft_model import check_compatible
+    from mlx_tandem.drafters.draft_model import check_compatible
 
     with pytest.raises(ValueError, match="recurrent"):
         Engine(tiny_model("lfm2"), CFG, threaded=False, drafter=PromptLookupSource())

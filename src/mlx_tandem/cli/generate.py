@@ -183,8 +183,8 @@ def run_plain(args, model, prompt: list[int], params) -> int:
 def run_batch(args, model, prompts: list[list[int]], params, config) -> int:
     import time
 
+    from mlx_tandem.drafters.factory import build_depth, build_drafter
     from mlx_tandem.engine.engine import Engine
-    from mlx_tandem.spec.factory import build_depth, build_drafter
 
     drafter = depth = None
     if args.draft_model:

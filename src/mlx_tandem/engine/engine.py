@@ -36,6 +36,8 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_tandem.engine.config import RuntimeConfig
+from mlx_tandem.engine.depth import DepthPolicy, FixedDepth
+from mlx_tandem.engine.draft_source import Drafts, DraftSource
 from mlx_tandem.engine.generate import check_prompt
 from mlx_tandem.engine.output import TextStream
 from mlx_tandem.engine.postprocess import accept_tokens
@@ -44,11 +46,9 @@ from mlx_tandem.engine.request import Request, RequestHandle, RequestOutput, Sta
 from mlx_tandem.engine.runner import ModelRunner
 from mlx_tandem.engine.sampling import RowSampler, SamplingParams
 from mlx_tandem.engine.scheduler import MemoryModel, Scheduler
+from mlx_tandem.engine.verify import verify
 from mlx_tandem.kv.state_rows import StateRows
 from mlx_tandem.models.loader import LoadedModel
-from mlx_tandem.spec.depth import DepthPolicy, FixedDepth
-from mlx_tandem.spec.source import Drafts, DraftSource
-from mlx_tandem.spec.verify import verify
 
 
 class Engine:

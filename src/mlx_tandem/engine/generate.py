@@ -123,15 +123,6 @@ def top_logprobs(logprobs: mx.array, token: int, n: int) -> TokenLogprob:
     return info
 
 
-def prompt_ids(model: LoadedModel, prompt: str | list[int]) -> list[int]:
-    """Ids as given, or a raw string encoded as mlx-lm does (BOS unless already present)."""
-    if not isinstance(prompt, str):
-        return list(prompt)
-    bos = model.tokenizer.bos_token
-    add_special = bos is None or not prompt.startswith(bos)
-    return list(model.tokenizer.encode(prompt, add_special_tokens=add_special))
-
-
 def stream_generate(
     model: LoadedModel,
     prompt: str | list[int],
@@ -142,7 +133,7 @@ def stream_generate(
 ) -> Iterator[GenerationChunk]:
     """Generate text for one prompt (a string is encoded as-is, ids are used as given)."""
     params = params or SamplingParams(**overrides)
-    prompt = prompt_ids(model, prompt)
+    prompt = model.encode_text(prompt)
     check_prompt(prompt, params.max_tokens, model.context_length, model.graph.vocab_size)
     sampler = RowSampler(params, model.graph.vocab_size)
     stop_ids = model.eos_token_ids | set(params.stop_token_ids)
@@ -187,7 +178,7 @@ def generate(
     """Run `stream_generate` to the end and collect text, tokens, logprobs and stats."""
     prefill_step_size = overrides.pop("prefill_step_size", 2048)
     params = params or SamplingParams(**overrides)
-    prompt = prompt_ids(model, prompt)
+    prompt = model.encode_text(prompt)
     pieces: list[str] = []
     tokens: list[int] = []
     logprobs: list[TokenLogprob] = []

@@ -68,6 +68,14 @@ class LoadedModel:
         messages.append({"role": "user", "content": prompt})
         return self.encode_messages(messages, chat=chat, template_kwargs=template_kwargs)
 
+    def encode_text(self, prompt: str | list[int]) -> list[int]:
+        """Ids as given, or a raw string encoded as mlx-lm does (BOS unless already present)."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        bos = self.tokenizer.bos_token
+        add_special = bos is None or not prompt.startswith(bos)
+        return list(self.tokenizer.encode(prompt, add_special_tokens=add_special))
+
     def encode_messages(
         self,
         messages: list[dict[str, Any]],

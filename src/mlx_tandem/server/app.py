@@ -36,7 +36,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mlx_tandem.engine.engine import Engine
-from mlx_tandem.engine.generate import prompt_ids
 from mlx_tandem.engine.request import RequestHandle
 from mlx_tandem.engine.sampling import SamplingParams
 from mlx_tandem.engine.scheduler import QueueFull
@@ -154,11 +153,11 @@ def _template_message(message: S.ChatMessage) -> dict[str, Any]:
 def text_prompts(state: ServerState, body: S.CompletionRequest) -> list[list[int]]:
     p = body.prompt
     if isinstance(p, str):
-        prompts = [prompt_ids(state.model, p)]
+        prompts = [state.model.encode_text(p)]
     elif p and all(isinstance(x, int) for x in p):
         prompts = [list(p)]
     else:
-        prompts = [prompt_ids(state.model, x) if isinstance(x, str) else list(x) for x in p]
+        prompts = [state.model.encode_text(x) if isinstance(x, str) else list(x) for x in p]
     vocab = state.model.graph.vocab_size
     if not prompts or any(not ids for ids in prompts):
         raise ApiError(400, "prompt is empty: need at least one token", "prompt")

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from mlx_tandem.drafters.draft_model import DraftModelSource, check_compatible
+from mlx_tandem.drafters.prompt_lookup import PromptLookupSource
 from mlx_tandem.engine.config import RuntimeConfig
+from mlx_tandem.engine.depth import AdaptiveDepth, DepthPolicy, FixedDepth
+from mlx_tandem.engine.draft_source import DraftSource
 from mlx_tandem.models.loader import LoadedModel, load
-from mlx_tandem.spec.depth import AdaptiveDepth, DepthPolicy, FixedDepth
-from mlx_tandem.spec.draft_model import DraftModelSource, check_compatible
-from mlx_tandem.spec.ngram import PromptLookupSource
-from mlx_tandem.spec.source import DraftSource
 
 DEPTHS = ("fixed", "adaptive")
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from mlx_tandem.engine.draft_source import Drafts
 from mlx_tandem.engine.request import Request
 from mlx_tandem.kv.state_rows import PreparedChange
-from mlx_tandem.spec.source import Drafts
 
 
 def lookup(tokens: np.ndarray, k: int, n_min: int = 1, n_max: int = 3) -> list[int]:
@@ -57,7 +57,4 @@ class PromptLookupSource:
         return Drafts(tokens=tokens, q=[None] * len(requests))
 
     def commit(self, accepted: list[int]) -> None:
-        pass
-
-    def release(self) -> None:
         pass

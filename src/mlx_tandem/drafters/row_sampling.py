@@ -1,52 +1,17 @@
-"""The draft-source contract (the seed's `spec/source`) every drafter implements.
+"""The drafter's per-row sampler (the seed's `DraftRowSampling`), shared by model drafters.
 
-A drafter keeps whatever per-row state it needs in the cohort's row order and
-follows the cohort's membership: rows join (`prepare_append` -> commit) and
-leave (`filter_rows`) exactly when the target's rows do. Each step it proposes
-up to `depths[i]` tokens for row i (zero allowed); after verification it learns
-how many each row accepted (`commit`).
-
-`Drafts.q` carries the distribution each proposal was drawn from when the
-drafter samples (None: proposals are deterministic, q is one-hot) — the
-verifier needs it for the rejection rule.
+Oracle: tests/test_speculative.py (chi-square with sampled drafts; seeded rows alone == batched).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Protocol
 
 import mlx.core as mx
 import numpy as np
 
 from mlx_tandem.engine.request import Request
 from mlx_tandem.engine.sampling import PURPOSE_DRAFT, position_keys
-from mlx_tandem.kv.state_rows import PreparedChange
-
-
-@dataclass
-class Drafts:
-    tokens: list[list[int]]  # per row, len <= that row's depth
-    q: list[mx.array | None]  # per row: (len, V) probabilities the tokens were drawn from
-
-
-class DraftSource(Protocol):
-    name: str
-
-    def prepare_append(self, requests: list[Request]) -> PreparedChange:
-        """Make room for joining rows (e.g. prefill their prompts); inert until commit."""
-        ...
-
-    def filter_rows(self, keep: list[int]) -> None: ...
-
-    def draft(self, requests: list[Request], depths: list[int]) -> Drafts: ...
-
-    def commit(self, accepted: list[int]) -> None:
-        """Row i accepted its first accepted[i] proposals (the target emitted one more)."""
-        ...
-
-    def release(self) -> None: ...
 
 
 class DraftRowSampling:

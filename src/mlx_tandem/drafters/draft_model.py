@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from mlx_tandem.drafters.row_sampling import DraftRowSampling
+from mlx_tandem.engine.draft_source import Drafts
 from mlx_tandem.engine.request import Request
 from mlx_tandem.engine.runner import ModelRunner
 from mlx_tandem.kv.state_rows import PreparedChange, StateRows
 from mlx_tandem.models.loader import LoadedModel
-from mlx_tandem.spec.source import DraftRowSampling, Drafts
 
 
 def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
@@ -111,8 +112,3 @@ class DraftModelSource:
             for i, a in enumerate(accepted)
         ]
         self._history, self._drafts, self._depth = [], [], 0
-
-    def release(self) -> None:
-        self._history = []
-        self.rows = self.runner.empty_rows()
-        self.pending_last = []

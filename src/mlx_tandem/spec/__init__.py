@@ -1,1 +1,0 @@
-"""Speculative layer: draft sources, the depth policy and lossless verification."""
