@@ -9,12 +9,18 @@ gather rows and concatenate, and a snapshot:
     so a snapshot that keeps references is safe);
   * `CacheList` of either, recursively.
 
+`rows_model(model)` builds the model copy these caches run on: attention routed
+to `RowKVCache.attend` (kv/attention.route_attention), accepted only after a
+probe forward shows that every attention layer routes.
+
 Oracle: tests/test_state_rows.py (rows alone vs in a cohort, through append,
-filter, extract, merge and clone; a failed append leaves the cohort untouched).
+filter, extract, merge and clone; a failed append leaves the cohort untouched),
+tests/test_attention_routing.py (the probe).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
-from mlx_tandem.kv.attention import install_attention_dispatch
+from mlx_tandem.kv.attention import attention_route, route_attention
 from mlx_tandem.kv.row_cache import RowKVCache
 
 LayerCache = Any  # RowKVCache | ArraysCache | CacheList
@@ -38,17 +44,17 @@ class PreparedChange:
 
 
 # --- per-kind primitives ----------------------------------------------------------
-def _row_kind(cache: Any) -> LayerCache:
+def _row_kind(cache: Any, kv: type[RowKVCache] = RowKVCache) -> LayerCache:
     if type(cache) is KVCache:
-        return RowKVCache()
+        return kv()
     if type(cache) is RotatingKVCache:
         if cache.keep:
             raise ValueError("RotatingKVCache with keep > 0 is not supported by the rows engine")
-        return RowKVCache(window=cache.max_size)
+        return kv(window=cache.max_size)
     if type(cache) is ArraysCache:
         return ArraysCache(len(cache.cache))
     if type(cache) is CacheList:
-        return CacheList(*[_row_kind(c) for c in cache.caches])
+        return CacheList(*[_row_kind(c, kv) for c in cache.caches])
     raise ValueError(f"cache kind {type(cache).__name__} is not supported by the rows engine")
 
 
@@ -87,7 +93,7 @@ def _concat(parts: list[LayerCache], counts: list[int]) -> LayerCache:
 
 def _blank(cache: LayerCache, n: int) -> LayerCache:
     if isinstance(cache, RowKVCache):
-        out = RowKVCache(cache.window)
+        out = type(cache)(cache.window)
         out.ends = [0] * n
         return out
     if isinstance(cache, CacheList):
@@ -122,14 +128,7 @@ class StateRows:
     @classmethod
     def empty(cls, model: nn.Module) -> StateRows:
         """No rows yet; layer kinds mirror mlx-lm's `make_prompt_cache(model)`."""
-        layers = [_row_kind(c) for c in make_prompt_cache(model)]
-        uses_kv = any(isinstance(c, RowKVCache) for c in _leaves(layers))
-        if uses_kv and not install_attention_dispatch(model):
-            raise ValueError(
-                f"model type {getattr(model, 'model_type', '?')!r} computes attention without "
-                "mlx-lm's scaled_dot_product_attention; the rows engine cannot batch it"
-            )
-        return cls(layers, 0)
+        return cls([_row_kind(c) for c in make_prompt_cache(model)], 0)
 
     @classmethod
     def blank(cls, model: nn.Module, rows: int) -> StateRows:
@@ -224,3 +223,68 @@ class StateRows:
                 a for a in (c.state if isinstance(c, RowKVCache) else c.cache) if a is not None
             )
         return out
+
+
+# --- the model copy the rows run on -----------------------------------------------
+class _ProbeKV(RowKVCache):
+    """A row cache that records which module writes it and how often `attend` runs on it."""
+
+    def __init__(self, window: int | None = None) -> None:
+        super().__init__(window)
+        self.writer: object = None
+        self.attends = 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.writer = sys._getframe(1).f_locals.get("self")  # the attention module calling us
+        return super().update_and_fetch(keys, values)
+
+    def attend(self, queries, keys, values, scale: float, mask) -> mx.array:
+        self.attends += 1
+        return super().attend(queries, keys, values, scale, mask)
+
+
+def probe_routing(model: nn.Module) -> dict[str, int]:
+    """Trace one 2-token forward of `model` (a route_attention copy) on 1-row probe caches.
+
+    Returns each attention layer's route call count. Raises ValueError naming
+    the layer when an attention layer writes its row cache but computes
+    attention without the route (it would be silently inexact), or when a
+    layer never writes its cache. The forward is traced, not evaluated.
+    """
+    layers = [_blank(_row_kind(c, _ProbeKV), 1) for c in make_prompt_cache(model)]
+    names = {id(m): name for name, m in model.named_modules()}
+    routes = {name: r for name, m in model.named_modules() if (r := attention_route(m))}
+    for r in routes.values():
+        r.calls = 0
+    model(mx.zeros((1, 2), dtype=mx.int32), cache=layers)
+    decoder = getattr(model, "layers", [])
+    calls: dict[str, int] = {}
+    for i, layer in enumerate(layers):
+        for leaf in _leaves([layer]):
+            if not isinstance(leaf, _ProbeKV):
+                continue
+            owner = names.get(id(decoder[i])) if i < len(decoder) else None
+            if leaf.writer is None:
+                raise ValueError(
+                    f"attention layer {owner or i} never writes its row cache; "
+                    "the rows engine cannot run this model"
+                )
+            name = names.get(id(leaf.writer), owner or f"layer {i}")
+            route = routes.get(name)
+            if not leaf.attends or route is None or not route.calls:
+                raise ValueError(
+                    f"{name} computes attention without mlx-lm's scaled_dot_product_attention; "
+                    "the rows engine cannot make it batch-invariant and refuses this model"
+                )
+            calls[name] = route.calls
+    return calls
+
+
+def rows_model(model: nn.Module) -> nn.Module:
+    """The copy of `model` that runs on StateRows: attention routed, verified by a probe.
+
+    `model` itself (and mlx-lm's modules) stay untouched.
+    """
+    routed = route_attention(model)
+    probe_routing(routed)
+    return routed

@@ -7,10 +7,13 @@ many draft tokens it verifies. `probe_min_rows` runs a projection on 1..192
 rows and finds the smallest row count from which every row equals the same
 row computed in a large call. `row_stable(model)` returns a copy of the module
 tree (sharing every weight array) whose projections pad their input to their
-own stable row count, so the rows engine's arithmetic is the same for every
-batch shape; the plain path keeps using the untouched model.
+own stable row count and whose attention layers run the batch-invariant
+attention of their row caches (kv/state_rows.rows_model, verified by a probe
+forward), so the rows engine's arithmetic is the same for every batch shape;
+the plain path keeps using the untouched model.
 
-Oracle: tests/test_invariance.py and the engine exactness tests.
+Oracle: tests/test_invariance.py, tests/test_attention_routing.py and the
+engine exactness tests (tests/test_engine.py).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from mlx_tandem.kv.state_rows import rows_model
 
 PROBE_ROWS = (*range(1, 33), 40, 48, 64, 96, 128, 144, 160, 192)
 REFERENCE_ROWS = 256
@@ -76,7 +81,9 @@ class RowStableProjection(nn.Module):
 
 
 def row_stable(model: nn.Module) -> tuple[nn.Module, dict[tuple, int]]:
-    """A structural copy of `model` whose projections pad to stable row counts; the counts."""
+    """The rows engine's copy of `model` (projections padded to stable row counts, attention
+    routed to the row caches); the counts. Raises ValueError for a model with an attention
+    layer that does not route."""
     needs: dict[tuple, int] = {}
 
     def need(m: nn.Module) -> int:
@@ -97,4 +104,4 @@ def row_stable(model: nn.Module) -> tuple[nn.Module, dict[tuple, int]]:
                 out[key] = [rebuild(v) if isinstance(v, nn.Module) else v for v in value]
         return out
 
-    return rebuild(model), needs
+    return rows_model(rebuild(model)), needs
