@@ -22,13 +22,13 @@ from common import PROMPTS, machine_line, mlx_lm_batch, timed
 
 from mlx_tandem import SamplingParams
 from mlx_tandem.engine.config import RuntimeConfig
-from mlx_tandem.engine.engine import Engine
+from mlx_tandem.engine.core import EngineCore
 from mlx_tandem.models.loader import load
 
 
 def tandem_run(model, prompts, n: int, invariant: bool) -> int:
     config = RuntimeConfig.resolve(max_rows=16, batch_invariant=invariant)
-    engine = Engine(model, config, threaded=False)
+    engine = EngineCore(model, config)
     handles = [engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p in prompts]
     engine.run_until_idle()
     return sum(len(h.result().tokens) for h in handles)
@@ -40,7 +40,7 @@ def mlx_lm_run(model, prompts, n: int) -> int:
 
 def join_ttft(model, prompts, n: int) -> float:
     """Seconds from submit to first token for a request joining 8 running rows."""
-    engine = Engine(model, RuntimeConfig.resolve(max_rows=16), threaded=False)
+    engine = EngineCore(model, RuntimeConfig.resolve(max_rows=16))
     for p in prompts[:8]:
         engine.submit(p, SamplingParams(max_tokens=n * 4, ignore_eos=True))
     for _ in range(12):

@@ -29,8 +29,8 @@ from mlx_tandem import SamplingParams
 from mlx_tandem.drafters.draft_model import DraftModelSource
 from mlx_tandem.drafters.prompt_lookup import PromptLookupSource
 from mlx_tandem.engine.config import RuntimeConfig
+from mlx_tandem.engine.core import EngineCore
 from mlx_tandem.engine.depth import AdaptiveDepth, FixedDepth
-from mlx_tandem.engine.engine import Engine
 from mlx_tandem.models.loader import load
 
 PASSAGE = (
@@ -57,7 +57,7 @@ GROUNDED = [
 
 def tandem(model, prompts, n, drafter=None, k=4, adaptive=False):
     depth = AdaptiveDepth(k) if adaptive else FixedDepth(k)
-    engine = Engine(model, RuntimeConfig.resolve(max_rows=16), threaded=False,
+    engine = EngineCore(model, RuntimeConfig.resolve(max_rows=16), threaded=False,
                     drafter=drafter, depth=depth)
     start = time.perf_counter()
     handles = [engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p in prompts]

@@ -6,7 +6,7 @@ import pytest
 
 from mlx_tandem import SamplingParams
 from mlx_tandem.engine.config import RuntimeConfig
-from mlx_tandem.engine.engine import Engine
+from mlx_tandem.engine.core import EngineCore
 from mlx_tandem.engine.scheduler import QueueFull
 
 from conftest import TINY_ARCHS
@@ -43,7 +43,7 @@ def make_params(n, seed=0):
 
 
 def run_alone(model, prompt, params, config):
-    engine = Engine(model, config, threaded=False)
+    engine = EngineCore(model, config)
     handle = engine.submit(prompt, params)
     engine.run_until_idle()
     return handle.result().tokens
@@ -52,7 +52,7 @@ def run_alone(model, prompt, params, config):
 def run_together(model, prompts, params, config, seed=0):
     """Submit with random gaps so rows join (and, with different max_tokens, leave) mid-flight."""
     rng = random.Random(seed)
-    engine = Engine(model, config, threaded=False)
+    engine = EngineCore(model, config)
     handles = []
     for p, sp in zip(prompts, params, strict=True):
         handles.append(engine.submit(p, sp))
@@ -99,7 +99,7 @@ def test_chunked_prefill_changes_nothing(tiny_model, references):
 
 def test_cancel_stops_within_one_step_and_frees_the_row(tiny_model):
     m = tiny_model("llama")
-    engine = Engine(m, RuntimeConfig.resolve(environ={}), threaded=False)
+    engine = EngineCore(m, RuntimeConfig.resolve(environ={}))
     keep = engine.submit([5, 6, 7], SamplingParams(max_tokens=40))
     drop = engine.submit([8, 9, 10, 11], SamplingParams(max_tokens=40))
     for _ in range(4):
@@ -121,7 +121,7 @@ def test_failed_admission_leaves_running_rows_untouched(tiny_model, monkeypatch)
     cfg = RuntimeConfig.resolve(environ={}, prefill_chunk=8)
     prompts, params = make_prompts(4, seed=5), [SamplingParams(max_tokens=20)] * 4
     ref = [run_alone(m, p, sp, cfg) for p, sp in zip(prompts, params, strict=True)]
-    engine = Engine(m, cfg, threaded=False)
+    engine = EngineCore(m, cfg)
     poison = [7] * 33
     original = engine.runner.prefill
 
@@ -144,8 +144,8 @@ def test_failed_admission_leaves_running_rows_untouched(tiny_model, monkeypatch)
 
 def test_requests_that_cannot_fit_are_refused_at_submit(tiny_model):
     m = tiny_model("llama")
-    engine = Engine(
-        m, RuntimeConfig.resolve(environ={}, memory_budget=1 << 20, max_queue=2), threaded=False
+    engine = EngineCore(
+        m, RuntimeConfig.resolve(environ={}, memory_budget=1 << 20, max_queue=2)
     )
     with pytest.raises(ValueError, match="KV cache"):
         engine.submit([1] * 10, SamplingParams(max_tokens=4000))
@@ -160,10 +160,10 @@ def test_requests_that_cannot_fit_are_refused_at_submit(tiny_model):
 
 def test_memory_budget_limits_rows_and_everything_still_finishes(tiny_model):
     m = tiny_model("llama")
-    probe = Engine(m, RuntimeConfig.resolve(environ={}), threaded=False)
+    probe = EngineCore(m, RuntimeConfig.resolve(environ={}))
     per_request = probe.scheduler.memory.row_bytes(3 + 10)
     cfg = RuntimeConfig.resolve(environ={}, memory_budget=2 * per_request + 1)
-    engine = Engine(m, cfg, threaded=False)
+    engine = EngineCore(m, cfg)
     handles = [engine.submit([3, 4, 5], SamplingParams(max_tokens=10)) for _ in range(5)]
     peak = 0
     while engine.busy():
@@ -171,28 +171,3 @@ def test_memory_budget_limits_rows_and_everything_still_finishes(tiny_model):
         peak = max(peak, engine.rows.row_count + len(engine.scheduler.joining))
     assert peak == 2
     assert all(len(h.result().tokens) == 10 for h in handles)
-
-
-def test_threaded_engine_and_async_iteration(tiny_model):
-    import asyncio
-
-    m = tiny_model("qwen3")
-    cfg = RuntimeConfig.resolve(environ={})
-    prompts, params = make_prompts(6, seed=9), make_params(6, seed=9)
-    ref = [run_alone(m, p, sp, cfg) for p, sp in zip(prompts, params, strict=True)]
-    engine = Engine(m, cfg)
-    try:
-
-        async def collect(handle):
-            tokens = []
-            async for out in handle:
-                tokens += out.tokens
-            return tokens
-
-        async def main():
-            handles = [engine.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
-            return await asyncio.gather(*(collect(h) for h in handles))
-
-        assert asyncio.run(main()) == ref
-    finally:
-        engine.shutdown()

@@ -11,8 +11,8 @@ from mlx_tandem.cli.main import main
 from mlx_tandem.drafters.draft_model import DraftModelSource
 from mlx_tandem.drafters.prompt_lookup import PromptLookupSource
 from mlx_tandem.engine.config import RuntimeConfig
+from mlx_tandem.engine.core import EngineCore
 from mlx_tandem.engine.depth import FixedDepth
-from mlx_tandem.engine.engine import Engine
 from mlx_tandem.engine.generate import decode_steps
 from mlx_tandem.engine.sampling import RowSampler
 
@@ -55,7 +55,7 @@ def _params(i):
 
 
 def _run(model, prompts, drafter=None, k=3, first=0):
-    engine = Engine(model, CFG, threaded=False, drafter=drafter, depth=FixedDepth(k))
+    engine = EngineCore(model, CFG, drafter=drafter, depth=FixedDepth(k))
     handles = []
     for i, p in enumerate(prompts, start=first):
         handles.append(engine.submit(p, _params(i)))

@@ -28,8 +28,8 @@ import uvicorn
 
 from mlx_tandem.drafters.factory import build_depth, build_drafter
 from mlx_tandem.engine.config import RuntimeConfig
-from mlx_tandem.engine.engine import Engine
 from mlx_tandem.engine.sampling import SamplingParams
+from mlx_tandem.engine.service import Engine
 from mlx_tandem.models.loader import LoadedModel, load_folder
 from mlx_tandem.models.tiny import make_tiny_model, tiny_tokenizer
 from mlx_tandem.server import ServerOptions, create_app

@@ -11,15 +11,15 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_tandem import SamplingParams
 from mlx_tandem.drafters.draft_model import DraftModelSource
 from mlx_tandem.drafters.prompt_lookup import PromptLookupSource, lookup
+from mlx_tandem.engine import verify as verify_module
 from mlx_tandem.engine.config import RuntimeConfig
+from mlx_tandem.engine.core import EngineCore
 from mlx_tandem.engine.depth import AdaptiveDepth, FixedDepth
-from mlx_tandem.engine.engine import Engine
-from mlx_tandem.engine.output import TextStream
+from mlx_tandem.engine.output import RowOutput
 from mlx_tandem.engine.request import Request
 from mlx_tandem.engine.sampling import RowSampler
 from mlx_tandem.models.loader import load_folder
 from mlx_tandem.models.tiny import make_tiny_model
-from mlx_tandem.spec import verify as verify_module
 
 CFG = RuntimeConfig.resolve(environ={}, prefill_chunk=16)
 
@@ -40,7 +40,7 @@ def prompts_and_params(n, seed=0, sampled=True):
 
 def run(model, prompts, params, drafter=None, depth=None, gaps=True, config=CFG):
     rng = random.Random(len(prompts))
-    engine = Engine(model, config, threaded=False, drafter=drafter, depth=depth)
+    engine = EngineCore(model, config, drafter=drafter, depth=depth)
     handles = []
     for p, sp in zip(prompts, params, strict=True):
         handles.append(engine.submit(p, sp))
@@ -147,7 +147,7 @@ def test_recurrent_target_and_vocab_mismatch_are_refused(tiny_model, target):
     from mlx_tandem.drafters.draft_model import check_compatible
 
     with pytest.raises(ValueError, match="recurrent"):
-        Engine(tiny_model("lfm2"), CFG, threaded=False, drafter=PromptLookupSource())
+        EngineCore(tiny_model("lfm2"), CFG, drafter=PromptLookupSource())
     small = tiny_model("llama", vocab_size=100)
     with pytest.raises(ValueError, match="vocabulary"):
         check_compatible(target[1], small)
@@ -180,12 +180,10 @@ def _joint_test(model, params, q_table, draws, rng):
             logits_of[key] = np.array(model.model(mx.array([PROMPT + list(prefix)]))[0, -1])
         return logits_of[key]
 
-    sampler = RowSampler(params, V)
     requests = []
     for i in range(N):
-        r = Request(list(PROMPT), params, sampler, TextStream(model.tokenizer), set())
-        r.sampler = RowSampler(SamplingParams(temperature=params.temperature, top_p=params.top_p,
-                                              seed=i), V)
+        seeded = SamplingParams(temperature=params.temperature, top_p=params.top_p, seed=i)
+        r = Request(list(PROMPT), seeded, RowSampler(seeded, V), RowOutput(model.tokenizer, (), set(), 3))
         requests.append(r)
     while True:
         live = [r for r in requests if len(r.tokens) < 3]

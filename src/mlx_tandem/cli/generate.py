@@ -184,7 +184,7 @@ def run_batch(args, model, prompts: list[list[int]], params, config) -> int:
     import time
 
     from mlx_tandem.drafters.factory import build_depth, build_drafter
-    from mlx_tandem.engine.engine import Engine
+    from mlx_tandem.engine.service import Engine
 
     drafter = depth = None
     if args.draft_model:

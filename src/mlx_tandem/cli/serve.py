@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from mlx_tandem.drafters.factory import build_depth, build_drafter
-    from mlx_tandem.engine.engine import Engine
+    from mlx_tandem.engine.service import Engine
     from mlx_tandem.models.loader import load
     from mlx_tandem.server.app import ServerOptions, create_app
 

@@ -20,7 +20,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_tandem.engine.output import TextStream, TokenLogprob
+from mlx_tandem.engine.output import TokenLogprob, top_logprobs
+from mlx_tandem.engine.request import new_request
 from mlx_tandem.engine.sampling import RowSampler, SamplingParams
 from mlx_tandem.models.graph import MlxLmGraph
 from mlx_tandem.models.loader import LoadedModel
@@ -55,19 +56,6 @@ class GenerationResult:
     finish_reason: str
     stats: GenerationStats
     logprobs: list[TokenLogprob] = field(default_factory=list)
-
-
-def check_prompt(prompt: list[int], max_tokens: int, context_length: int, vocab_size: int) -> None:
-    if not prompt:
-        raise ValueError("prompt is empty: need at least one token")
-    bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise ValueError(f"prompt token {bad!r} is outside the vocabulary (size {vocab_size})")
-    if len(prompt) + max_tokens > context_length:
-        raise ValueError(
-            f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the "
-            f"model's context window ({context_length} tokens)"
-        )
 
 
 def decode_steps(
@@ -112,17 +100,6 @@ def decode_steps(
             position += 1
 
 
-def top_logprobs(logprobs: mx.array, token: int, n: int) -> TokenLogprob:
-    row = logprobs.reshape(-1)
-    info = TokenLogprob(token=token, logprob=row[token].item())
-    if n > 0:
-        top = mx.argpartition(-row, kth=n - 1)[:n]
-        values = row[top]
-        order = mx.argsort(-values)
-        info.top = list(zip(top[order].tolist(), values[order].tolist(), strict=True))
-    return info
-
-
 def stream_generate(
     model: LoadedModel,
     prompt: str | list[int],
@@ -134,37 +111,29 @@ def stream_generate(
     """Generate text for one prompt (a string is encoded as-is, ids are used as given)."""
     params = params or SamplingParams(**overrides)
     prompt = model.encode_text(prompt)
-    check_prompt(prompt, params.max_tokens, model.context_length, model.graph.vocab_size)
-    sampler = RowSampler(params, model.graph.vocab_size)
-    stop_ids = model.eos_token_ids | set(params.stop_token_ids)
-    text = TextStream(model.tokenizer, params.stop)
+    request = new_request(model, prompt, params)  # the rows engine's validation and finish rule
+    output = request.output
     stats = GenerationStats(prompt_tokens=len(prompt))
     start = time.perf_counter()
     first = start
-    steps = decode_steps(model.graph, prompt, sampler, params.max_tokens, prefill_step_size)
-    finish: str | None = None
+    steps = decode_steps(model.graph, prompt, request.sampler, params.max_tokens, prefill_step_size)
     for n, (token, logprobs) in enumerate(steps):
         if n == 0:
             first = time.perf_counter()
             stats.ttft_s = first - start
             stats.prompt_tps = len(prompt) / max(stats.ttft_s, 1e-9)
-        if token in stop_ids:
-            delta, info, finish = text.finish(), None, "stop"
-        else:
-            info = top_logprobs(logprobs, token, params.logprobs) if params.logprobs else None
-            delta = text.add(token)
-            stats.generation_tokens += 1
-            if text.stopped:
-                finish = "stop"
-            elif n + 1 == params.max_tokens:
-                delta, finish = delta + text.finish(), "length"
+        delta, emitted = output.add(token)
+        wanted = emitted and params.logprobs
+        info = top_logprobs(logprobs, token, params.logprobs) if wanted else None
+        stats.generation_tokens = output.count
+        finish = output.finish_reason
         if finish is None:
             yield GenerationChunk(delta, token, info)
             continue
         elapsed = time.perf_counter() - first
         stats.generation_tps = (stats.generation_tokens - 1) / elapsed if elapsed > 0 else 0.0
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
-        yield GenerationChunk(delta, None if token in stop_ids else token, info, finish, stats)
+        yield GenerationChunk(delta, token if emitted else None, info, finish, stats)
         steps.close()
         return
 

@@ -1,9 +1,11 @@
-"""Turning a row's accepted tokens into the request's output.
+"""Turning a row's accepted tokens into the request's output event.
 
-`accept_tokens`: appends a row's accepted tokens in order and cuts exactly
-where plain decoding would stop: a stop id (not emitted), a stop string (text
-cut at its first occurrence), or max_tokens. Shared by plain and speculative
-steps so they stop identically.
+`accept_tokens` feeds a row's accepted tokens, in order, through the request's
+`RowOutput` (the one finish rule, shared with the plain path) and cuts exactly
+where plain decoding would stop, so speculative and plain steps end identically.
+
+Oracle: tests/test_speculative.py (speculative output, finish reasons included,
+equals plain decoding), tests/test_engine.py.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import time
 
 import mlx.core as mx
 
-from mlx_tandem.engine.generate import top_logprobs
+from mlx_tandem.engine.output import top_logprobs
 from mlx_tandem.engine.request import Request, RequestOutput
 
 
@@ -23,28 +25,22 @@ def accept_tokens(request: Request, tokens: list[int], logprobs: list[mx.array])
     if request.stats.first_token is None:
         request.stats.first_token = now
     for token, lp in zip(tokens, logprobs, strict=True):
-        if token in request.stop_ids:
-            out.text += request.text.finish()
-            out.finish_reason = "stop"
+        delta, emitted = request.output.add(token)
+        out.text += delta
+        if emitted:
+            request.tokens.append(token)
+            request.stats.generation_tokens += 1
+            out.tokens.append(token)
+            if request.params.logprobs:
+                out.logprobs.append(top_logprobs(lp, token, request.params.logprobs))
+            if request.history is not None:
+                history = [request.history, mx.array([token], mx.uint32)]
+                request.history = mx.concatenate(history)
+            request.pending = token
+        if request.output.finish_reason is not None:
             break
-        request.tokens.append(token)
-        request.stats.generation_tokens += 1
-        out.tokens.append(token)
-        if request.params.logprobs:
-            out.logprobs.append(top_logprobs(lp, token, request.params.logprobs))
-        out.text += request.text.add(token)
-        if request.history is not None:
-            request.history = mx.concatenate([request.history, mx.array([token], mx.uint32)])
-        request.pending = token
-        if request.text.stopped:
-            out.finish_reason = "stop"
-            break
-        if len(request.tokens) == request.params.max_tokens:
-            out.text += request.text.finish()
-            out.finish_reason = "length"
-            break
-    if out.finish_reason is not None:
-        request.finish_reason = out.finish_reason
+    if request.output.finish_reason is not None:
+        out.finish_reason = request.finish_reason = request.output.finish_reason
         request.stats.finished = now
         out.stats = request.stats
     return out

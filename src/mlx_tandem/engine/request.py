@@ -5,38 +5,42 @@ filters both with the same index list, and no other per-row list exists.
 A request's row state while it is being prefilled (`joining`) is its own
 one-row StateRows; it merges into the cohort only when prefill completes.
 
-`RequestHandle` is the caller's side: iterate it (sync or async) for
-`RequestOutput` events, `cancel()` it, or `result()` to wait for the end.
+`new_request` validates a prompt and its parameters against the model before
+anything else exists (`check_prompt`); nothing in the engine changes until it
+returns. `RequestHandle` is the caller's side: iterate it (sync, with an
+optional timeout, or async without a thread) for `RequestOutput` events,
+`cancel()` it, or `result()` to wait for the end. Events travel through an
+`EventChannel` that the engine thread writes and any thread or event loop reads.
+
+Oracle: tests/test_service.py (every handle ends: errors, shutdown and cancel
+all deliver a final event; async iteration needs no thread).
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import itertools
-import queue
+import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from mlx_tandem.engine.output import TextStream, TokenLogprob
+from mlx_tandem.engine.output import RowOutput, TokenLogprob
 from mlx_tandem.engine.sampling import RowSampler, SamplingParams
 from mlx_tandem.kv.state_rows import StateRows
 
 if TYPE_CHECKING:
-    from mlx_tandem.engine.engine import Engine
+    from mlx_tandem.models.loader import LoadedModel
 
 _ids = itertools.count()
 
 
-class Status(enum.Enum):
-    WAITING = "waiting"
-    PREFILLING = "prefilling"
-    RUNNING = "running"
-    FINISHED = "finished"
+class EngineClosed(RuntimeError):
+    """The engine has shut down (or failed for good) and takes no more requests."""
 
 
 @dataclass
@@ -89,23 +93,75 @@ class RequestResult:
     stats: RequestStats | None = None
 
 
+def check_prompt(prompt: list[int], max_tokens: int, context_length: int, vocab_size: int) -> None:
+    """A prompt the model can run: non-empty ids inside the vocabulary, within the context."""
+    if not prompt:
+        raise ValueError("prompt is empty: need at least one token")
+    bad = next(
+        (t for t in prompt if type(t) is not int or not 0 <= t < vocab_size), None
+    )  # bool is not a token id
+    if bad is not None:
+        raise ValueError(f"prompt token {bad!r} is outside the vocabulary (size {vocab_size})")
+    if len(prompt) + max_tokens > context_length:
+        raise ValueError(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the "
+            f"model's context window ({context_length} tokens)"
+        )
+
+
+class EventChannel:
+    """A request's events: the engine thread puts; threads or event loops wait, none spins."""
+
+    def __init__(self) -> None:
+        self._items: deque[RequestOutput] = deque()
+        self._cond = threading.Condition()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+
+    def put(self, item: RequestOutput) -> None:
+        with self._cond:
+            self._items.append(item)
+            self._cond.notify_all()
+            waiters, self._waiters = self._waiters, []
+        for loop, future in waiters:
+            loop.call_soon_threadsafe(_wake, future)
+
+    def get(self, timeout: float | None = None) -> RequestOutput:
+        """The next event; TimeoutError if none arrives within timeout seconds."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._items, timeout):
+                raise TimeoutError(f"no event within {timeout} s")
+            return self._items.popleft()
+
+    async def aget(self) -> RequestOutput:
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._cond:
+                if self._items:
+                    return self._items.popleft()
+                future = loop.create_future()
+                self._waiters.append((loop, future))
+            await future
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 class Request:
     def __init__(
         self,
         prompt: list[int],
         params: SamplingParams,
         sampler: RowSampler,
-        text: TextStream,
-        stop_ids: set[int],
+        output: RowOutput,
         request_id: str | None = None,
     ) -> None:
         self.id = request_id or f"req-{next(_ids)}"
         self.prompt = prompt
         self.params = params
         self.sampler = sampler
-        self.text = text
-        self.stop_ids = stop_ids
-        self.status = Status.WAITING
+        self.output = output
         self.tokens: list[int] = []
         self.prefilled = 0  # prompt tokens already in `joining`
         self.joining: StateRows | None = None
@@ -114,8 +170,7 @@ class Request:
         self.finish_reason: str | None = None
         self.spec_alpha: float | None = None  # per-token draft acceptance estimate (adaptive depth)
         self.stats = RequestStats(prompt_tokens=len(prompt), arrival=time.perf_counter())
-        self.events: queue.Queue[RequestOutput] = queue.Queue()
-        self.listeners: list[Callable[[], None]] = []  # async iterators waiting for events
+        self.events = EventChannel()
 
     @property
     def position(self) -> int:
@@ -124,48 +179,61 @@ class Request:
 
     def emit(self, out: RequestOutput) -> None:
         self.events.put(out)
-        for wake in self.listeners:
-            wake()
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        """End the request from outside its tokens (cancel, error): one final event."""
+        if self.finish_reason is not None:
+            return
+        self.finish_reason = reason
+        self.stats.finished = time.perf_counter()
+        self.emit(RequestOutput(self.id, "", [], finish_reason=reason, error=error, stats=self.stats))
+
+
+def new_request(
+    model: LoadedModel, prompt: list[int], params: SamplingParams, request_id: str | None = None
+) -> Request:
+    """A validated Request (ValueError naming the problem); nothing else changes."""
+    graph = model.graph
+    check_prompt(prompt, params.max_tokens, model.context_length, graph.vocab_size)
+    sampler = RowSampler(params, graph.vocab_size)
+    stop_ids = (set() if params.ignore_eos else model.eos_token_ids) | set(params.stop_token_ids)
+    output = RowOutput(model.tokenizer, params.stop, stop_ids, params.max_tokens)
+    return Request(list(prompt), params, sampler, output, request_id)
 
 
 class RequestHandle:
     """The submitter's view of a request: events, cancel, result."""
 
-    def __init__(self, request: Request, engine: Engine) -> None:
+    def __init__(self, request: Request, cancel: Callable[[str], None]) -> None:
         self.request = request
-        self.engine = engine
         self.id = request.id
+        self._cancel = cancel
 
-    def __iter__(self) -> Iterator[RequestOutput]:
+    def events(self, timeout: float | None = None) -> Iterator[RequestOutput]:
+        """Events until the final one; TimeoutError if any wait exceeds timeout seconds."""
         while True:
-            out = self.request.events.get()
+            out = self.request.events.get(timeout)
             yield out
             if out.finish_reason is not None:
                 return
 
+    def __iter__(self) -> Iterator[RequestOutput]:
+        return self.events()
+
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        """Async iteration without a thread per waiter: the engine wakes this loop on emit."""
-        loop = asyncio.get_running_loop()
-        ready = asyncio.Event()
-        self.request.listeners.append(lambda: loop.call_soon_threadsafe(ready.set))
         while True:
-            try:
-                out = self.request.events.get_nowait()
-            except queue.Empty:
-                await ready.wait()
-                ready.clear()
-                continue
+            out = await self.request.events.aget()
             yield out
             if out.finish_reason is not None:
                 return
 
     def cancel(self) -> None:
-        self.engine.cancel(self.id)
+        self._cancel(self.id)
 
-    def result(self) -> RequestResult:
-        """Block until the request ends and collect everything it produced."""
+    def result(self, timeout: float | None = None) -> RequestResult:
+        """Wait for the end and collect everything the request produced."""
         res = RequestResult()
-        for out in self:
+        for out in self.events(timeout):
             res.text += out.text
             res.tokens += out.tokens
             res.logprobs += out.logprobs

@@ -29,19 +29,20 @@ from mlx_tandem.models.loader import LoadedModel
 class ModelRunner:
     def __init__(self, model: LoadedModel, batch_invariant: bool = True) -> None:
         self.model = model
-        self.row_needs: dict[tuple, int] = {}
         if batch_invariant:
-            stable, self.row_needs = row_stable(model.model)
+            stable, _ = row_stable(model.model)
             self.graph: MlxLmGraph = bind_graph(stable)
             width = model.config.get("hidden_size") or stable.model.embed_tokens.weight.shape[-1]
-            head_rows = probe_min_rows(self.graph.head, int(width))
-            self.row_needs[("head",)] = head_rows
-            self.graph.head = pad_rows(self.graph.head, head_rows)
+            self.graph.head = pad_rows(self.graph.head, probe_min_rows(self.graph.head, int(width)))
         else:
             self.graph = model.graph
 
     def empty_rows(self) -> StateRows:
         return StateRows.empty(self.model.model)
+
+    def recurrent_layers(self) -> bool:
+        """Whether any layer keeps recurrent state (it cannot rewind by moving an end)."""
+        return any(isinstance(c, ArraysCache) for c in self.empty_rows().leaves())
 
     def blank_rows(self, n: int) -> StateRows:
         """n rows holding no tokens yet (joining rows before prefill)."""

@@ -4,14 +4,26 @@ A request reserves `kv_bytes(prompt + max_tokens)` when admitted and returns
 it when it leaves. Requests that could never fit (alone over the budget or
 the context window) are refused at submit; the others wait in FIFO order —
 a large request at the head is not overtaken, so it cannot starve.
+`measure_memory` finds the bytes per token with one real forward;
+`default_budget` is half the device's memory minus the weights.
+
+Oracle: tests/test_engine.py (budget limits concurrent rows; what cannot fit is
+refused at submit; every reservation is returned).
 """
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from dataclasses import dataclass, field
 
-from mlx_tandem.engine.request import Request, Status
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from mlx_tandem.engine.request import Request
+from mlx_tandem.engine.runner import ModelRunner
+from mlx_tandem.kv.row_cache import RowKVCache
+from mlx_tandem.models.loader import LoadedModel
 
 
 @dataclass
@@ -64,7 +76,6 @@ class Scheduler:
             self.waiting.popleft()
             self.reserved += need
             self._reservations[head.id] = need
-            head.status = Status.PREFILLING
             self.joining.append(head)
             admitted.append(head)
         return admitted
@@ -72,13 +83,38 @@ class Scheduler:
     def release(self, request: Request) -> None:
         self.reserved -= self._reservations.pop(request.id, 0)
 
-    def remove_waiting(self, request_id: str) -> Request | None:
-        for r in self.waiting:
-            if r.id == request_id:
-                self.waiting.remove(r)
-                return r
+    def remove(self, request_id: str) -> Request | None:
+        """Take a waiting or joining request out (cancel); None if it is not here."""
+        for queue in (self.waiting, self.joining):
+            for r in queue:
+                if r.id == request_id:
+                    queue.remove(r)
+                    return r
         return None
 
 
 class QueueFull(ValueError):
     """Raised by submit when the waiting queue is at its limit (HTTP 429)."""
+
+
+def measure_memory(runner: ModelRunner) -> MemoryModel:
+    """KV bytes per token and fixed bytes per row, from one real one-token forward."""
+    row = runner.blank_rows(1)
+    runner.graph.forward_hidden(mx.array([[0]], dtype=mx.int32), row.layers)
+    per_token = per_row = 0
+    for leaf in row.leaves():
+        if isinstance(leaf, RowKVCache):
+            per_token += sum(a.nbytes for a in leaf.state) // leaf.keys.shape[2]
+        else:
+            per_row += sum(a.nbytes for a in leaf.cache if a is not None)
+    return MemoryModel(per_token=per_token, per_row=per_row)
+
+
+def default_budget(model: LoadedModel) -> int:
+    """Half of the device's memory, minus the weights, at least 256 MiB."""
+    try:
+        total = int(mx.device_info()["memory_size"])
+    except (AttributeError, KeyError, RuntimeError):
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    weights = sum(v.nbytes for _, v in tree_flatten(model.model.parameters()))
+    return max(256 << 20, total // 2 - weights)

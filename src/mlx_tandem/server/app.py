@@ -35,10 +35,10 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mlx_tandem.engine.engine import Engine
 from mlx_tandem.engine.request import RequestHandle
 from mlx_tandem.engine.sampling import SamplingParams
 from mlx_tandem.engine.scheduler import QueueFull
+from mlx_tandem.engine.service import Engine
 from mlx_tandem.models.loader import LoadedModel
 from mlx_tandem.server import schemas as S
 from mlx_tandem.server.metrics import CONTENT_TYPE, Metrics

@@ -22,7 +22,7 @@ import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from mlx_tandem.engine.engine import Engine
+    from mlx_tandem.engine.service import Engine
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -1,0 +1,290 @@
+"""EngineCore: the synchronous step machine over a cohort of rows. No threads, queues or events.
+
+    step():  schedule -> prefill joining rows -> draft -> forward -> verify -> postprocess
+
+The cohort is `self.running` (Requests, one per row, in row order) and
+`self.rows` (their StateRows); they are filtered together, by one index list.
+Without a drafter every row drafts nothing and the same step is plain batched
+decoding; with one, each row verifies its own proposals (engine/verify.py),
+the rejected tail is rewound by moving the row's end back, and the drafter
+restores its rows to match.
+
+Joining rows are prefilled in whole chunks, at most one chunk's worth of tokens
+per step, so a long prompt never stalls running rows for more than one chunk;
+they merge into the cohort with their last prompt token pending: the next step
+feeds it and samples from its logits, exactly as plain decoding does.
+
+A step that raises leaves the core in an unknown state: `fail_in_flight` ends
+every admitted request with an error event and rebuilds empty rows; requests
+still waiting for admission are kept. The service shell (engine/service.py)
+owns threads, the inbox and when to call what.
+
+Oracle: tests/test_engine.py — every row's tokens in a cohort equal the same
+request run alone, with rows joining and leaving at random steps;
+tests/test_service.py — a failing step fails the requests in flight and the
+next request succeeds.
+"""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+
+from mlx_tandem.engine.config import RuntimeConfig
+from mlx_tandem.engine.depth import DepthPolicy, FixedDepth
+from mlx_tandem.engine.draft_source import Drafts, DraftSource
+from mlx_tandem.engine.postprocess import accept_tokens
+from mlx_tandem.engine.prefill import PrefillPolicy
+from mlx_tandem.engine.request import Request, RequestHandle, new_request
+from mlx_tandem.engine.runner import ModelRunner
+from mlx_tandem.engine.sampling import SamplingParams
+from mlx_tandem.engine.scheduler import Scheduler, default_budget, measure_memory
+from mlx_tandem.engine.verify import Verdict, verify
+from mlx_tandem.kv.state_rows import StateRows
+from mlx_tandem.models.loader import LoadedModel
+
+
+class EngineCore:
+    def __init__(
+        self,
+        model: LoadedModel,
+        config: RuntimeConfig | None = None,
+        drafter: DraftSource | None = None,
+        depth: DepthPolicy | None = None,
+    ) -> None:
+        self.model = model
+        self.config = config or RuntimeConfig.resolve()
+        self.runner = ModelRunner(model, batch_invariant=self.config.batch_invariant)
+        if drafter is not None and self.runner.recurrent_layers():
+            raise ValueError(
+                f"speculative decoding is not supported for {model.name!r}: its recurrent "
+                "layers cannot rewind rejected drafts per row (run it without a draft model)"
+            )
+        self.drafter = drafter
+        self.depth = depth or FixedDepth(3)
+        self.stats = EngineStats()
+        budget = self.config.memory_budget or default_budget(model)
+        self.prefill_policy = PrefillPolicy.resolve(model.config, self.config, budget)
+        memory = measure_memory(self.runner)
+        self.scheduler = Scheduler(self.config.max_rows, budget, memory, self.config.max_queue)
+        self.running: list[Request] = []
+        self.rows: StateRows = self.runner.empty_rows()
+
+    # --- requests in and out ----------------------------------------------------------
+    def new_request(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        queued: int = 0,
+    ) -> Request:
+        """Validate (ValueError; QueueFull counting `queued` not yet added) without changing state."""
+        request = new_request(self.model, prompt, params, request_id)
+        self.scheduler.check(request, queued)
+        return request
+
+    def submit(
+        self, prompt: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> RequestHandle:
+        """Validate and queue a request (caller steps the core by hand)."""
+        request = self.new_request(prompt, params, request_id)
+        self.scheduler.add(request)
+        return RequestHandle(request, self.cancel)
+
+    def cancel(self, request_id: str) -> None:
+        request = self.scheduler.remove(request_id)
+        if request is not None:
+            self._finish(request, "cancelled")
+            return
+        for i, r in enumerate(self.running):
+            if r.id == request_id:
+                self._finish(r, "cancelled")
+                self._keep([j for j in range(len(self.running)) if j != i])
+                return
+
+    def busy(self) -> bool:
+        return bool(self.running or self.scheduler.joining or self.scheduler.waiting)
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
+        for _ in range(max_steps):
+            if not self.step() and not self.busy():
+                return
+
+    def fail_in_flight(self, error: str) -> None:
+        """After a failed step: end every admitted request with `error`, start from empty rows."""
+        for request in [*self.running, *self.scheduler.joining]:
+            self._finish(request, "error", error)
+        self.scheduler.joining.clear()
+        self.running = []
+        self.rows = self.runner.empty_rows()
+        if self.drafter is not None:
+            self.drafter.filter_rows([])
+
+    def cancel_all(self) -> None:
+        for request in [*self.running, *self.scheduler.joining, *self.scheduler.waiting]:
+            self._finish(request, "cancelled")
+        self.scheduler.joining.clear()
+        self.scheduler.waiting.clear()
+        self._keep([])
+
+    # --- the step ---------------------------------------------------------------------
+    def step(self) -> bool:
+        """One engine step; returns False when there was nothing to do."""
+        self.scheduler.admit(len(self.running))
+        prefilled = self._prefill()
+        if not self.running:
+            return prefilled
+        t0 = time.perf_counter()
+        drafts = self._draft()
+        t1 = time.perf_counter()
+        verdicts = self._forward_and_verify(drafts)
+        self._postprocess(drafts, verdicts, t1 - t0, time.perf_counter() - t1)
+        return True
+
+    def _draft(self) -> Drafts:
+        B = len(self.running)
+        if self.drafter is None:
+            return Drafts([[]] * B, [None] * B)
+        return self.drafter.draft(self.running, self.depth.depths(self.running))
+
+    def _forward_and_verify(self, drafts: Drafts) -> list[Verdict]:
+        """One target forward over each row's [pending, d1..dk]; keep accepted, rewind the rest."""
+        feeds = [[r.pending, *d] for r, d in zip(self.running, drafts.tokens, strict=True)]
+        width = max(len(f) for f in feeds)
+        ids = mx.array([f + [0] * (width - len(f)) for f in feeds], dtype=mx.int32)
+        before = self.rows.ends
+        hidden = self.runner.forward(self.rows, ids, [len(f) for f in feeds])
+        verdicts = verify(self.running, self.runner.logits(hidden, "all"), drafts.tokens, drafts.q)
+        self.rows.set_ends([e + v.accepted + 1 for e, v in zip(before, verdicts, strict=True)])
+        return verdicts
+
+    def _postprocess(
+        self, drafts: Drafts, verdicts: list[Verdict], draft_s: float, verify_s: float
+    ) -> None:
+        """Tokens out through each row's finish rule; finished rows leave the cohort."""
+        drafted = [len(d) for d in drafts.tokens]
+        accepted = [v.accepted for v in verdicts]
+        if self.drafter:
+            self.drafter.commit(accepted)
+            width = max(drafted) + 1
+            self.depth.observe(self.running, drafted, accepted, draft_s, verify_s, width)
+            self.stats.record(self.drafter.name, drafted, accepted)
+        keep = []
+        for i, (request, verdict) in enumerate(zip(self.running, verdicts, strict=True)):
+            request.stats.steps += 1
+            request.stats.drafted += drafted[i]
+            request.stats.accepted += verdict.accepted
+            out = accept_tokens(request, verdict.tokens, verdict.logprobs)
+            request.emit(out)
+            if out.finish_reason is None:
+                keep.append(i)
+            else:
+                self.scheduler.release(request)
+        self._keep(keep)
+
+    # --- joining rows -----------------------------------------------------------------
+    def _prefill(self) -> bool:
+        """Prefill joining rows, oldest first, whole chunks only, up to one chunk of tokens.
+
+        A row's chunk boundaries are fixed (multiples of the policy's chunk from
+        its start), so its prefill arithmetic never depends on what else runs.
+        Prompts that fit one chunk are prefilled together in one ragged forward
+        (batch-invariant like every other forward); longer ones chunk by chunk.
+        """
+        chunk = self.prefill_policy.chunk
+        budget, whole, partial = chunk, [], []
+        for request in self.scheduler.joining:
+            remaining = len(request.prompt) - 1 - request.prefilled
+            need = min(chunk, remaining)
+            if (whole or partial) and need > budget:
+                break
+            budget -= need
+            short = request.prefilled == 0 and remaining <= chunk
+            (whole if short else partial).append(request)
+        if whole:
+            self._prefill_together(whole)
+        for request in partial:
+            self._prefill_one_chunk(request)
+        return bool(whole or partial)
+
+    def _prefill_together(self, requests: list[Request]) -> None:
+        """Prefill prompts that fit one chunk in one forward and join them to the cohort."""
+        try:
+            rows = self.runner.blank_rows(len(requests))
+            lengths = [len(r.prompt) - 1 for r in requests]
+            width = max(lengths)
+            if width:
+                ids = [
+                    r.prompt[:-1] + [0] * (width - n)
+                    for r, n in zip(requests, lengths, strict=True)
+                ]
+                self.runner.forward(rows, mx.array(ids, dtype=mx.int32), lengths)
+                mx.eval(*rows.arrays())
+            self._join(requests, rows)
+        except Exception as err:  # the cohort is untouched: the rows never joined
+            for request in requests:
+                self._fail_joining(request, err)
+
+    def _prefill_one_chunk(self, request: Request) -> None:
+        """Advance a joining request by one chunk; join the cohort when its prompt is done."""
+        try:
+            if request.joining is None:
+                request.joining = self.runner.blank_rows(1)
+            todo = request.prompt[request.prefilled : len(request.prompt) - 1]
+            piece = todo[: self.prefill_policy.chunk]
+            if piece:
+                self.runner.prefill(request.joining, piece, self.prefill_policy.chunk)
+                request.prefilled += len(piece)
+            if request.prefilled == len(request.prompt) - 1:
+                self._join([request], request.joining)
+        except Exception as err:  # the cohort is untouched: the row never joined
+            self._fail_joining(request, err)
+
+    def _join(self, requests: list[Request], rows: StateRows) -> None:
+        """Append prefilled rows (and the drafter's rows for them) to the cohort, all or nothing."""
+        change = self.rows.prepare_append([rows])
+        try:
+            companion = self.drafter.prepare_append(requests) if self.drafter else None
+            change.commit()
+            if companion is not None:
+                companion.commit()
+        finally:
+            change.dispose()
+        for request in requests:
+            self.scheduler.joining.remove(request)
+            request.joining = None
+            self.running.append(request)
+
+    def _fail_joining(self, request: Request, err: Exception) -> None:
+        self.scheduler.joining.remove(request)
+        request.joining = None
+        self._finish(request, "error", f"{type(err).__name__}: {err}")
+
+    # --- leaving rows -----------------------------------------------------------------
+    def _keep(self, keep: list[int]) -> None:
+        if len(keep) != len(self.running):
+            self.rows.filter_rows(keep)
+            if self.drafter:
+                self.drafter.filter_rows(keep)
+            self.running = [self.running[i] for i in keep]
+
+    def _finish(self, request: Request, reason: str, error: str | None = None) -> None:
+        request.joining = None
+        self.scheduler.release(request)
+        request.finish(reason, error)
+
+
+class EngineStats:
+    """Engine-wide speculation counters, per drafter."""
+
+    def __init__(self) -> None:
+        self.drafted: dict[str, int] = {}
+        self.accepted: dict[str, int] = {}
+
+    def record(self, drafter: str, drafted: list[int], accepted: list[int]) -> None:
+        self.drafted[drafter] = self.drafted.get(drafter, 0) + sum(drafted)
+        self.accepted[drafter] = self.accepted.get(drafter, 0) + sum(accepted)
+
+    def acceptance(self, drafter: str) -> float:
+        return self.accepted.get(drafter, 0) / max(1, self.drafted.get(drafter, 0))

@@ -1,0 +1,195 @@
+"""Engine: the service shell around an EngineCore — the thread, the inbox, cancellation, handles.
+
+Any thread may `submit` (validated on the caller's thread, before anything
+changes) and `cancel`; both only put messages in the inbox and wake the engine
+thread, which alone touches the core: drain the inbox, step, repeat; sleep
+when idle (no polling: a message wakes it).
+
+Every request ends with exactly one final event, whatever happens:
+  * a step that raises fails every admitted request with an error event
+    (`engine step failed: ...`), the core rebuilds empty rows, waiting
+    requests go on; `healthy` is False only while that recovery runs;
+  * if recovery itself fails the engine is closed for good: every request
+    gets an error, `healthy` stays False, `submit` raises EngineClosed;
+  * `shutdown()` refuses new submits, optionally lets admitted and queued
+    work drain, then cancels what is left — inbox included — and the engine
+    thread exits (joined) after destroying its MLX streams. An interpreter
+    exit without `shutdown()` runs it first (atexit).
+
+Oracle: tests/test_service.py (fault injection: errors within a second, the
+next request succeeds; shutdown under load ends every handle; threads exit;
+async handles need no thread).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import queue
+import threading
+import time
+import weakref
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_tandem.engine.config import RuntimeConfig
+from mlx_tandem.engine.core import EngineCore, EngineStats
+from mlx_tandem.engine.depth import DepthPolicy
+from mlx_tandem.engine.draft_source import DraftSource
+from mlx_tandem.engine.request import EngineClosed, Request, RequestHandle, RequestOutput
+from mlx_tandem.engine.sampling import SamplingParams
+from mlx_tandem.engine.scheduler import Scheduler
+from mlx_tandem.models.loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(
+        self,
+        model: LoadedModel,
+        config: RuntimeConfig | None = None,
+        drafter: DraftSource | None = None,
+        depth: DepthPolicy | None = None,
+    ) -> None:
+        self.core = EngineCore(model, config, drafter, depth)
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards _in_transit and _closed against submit races
+        self._in_transit = 0  # submitted, not yet seen by the engine thread
+        self._closed = False
+        self._recovering = False
+        self._failed: str | None = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
+        self._thread.start()
+        self._exit_hook = _weak_shutdown(self)
+        atexit.register(self._exit_hook)
+
+    # --- views for callers ----------------------------------------------------------------
+    @property
+    def config(self) -> RuntimeConfig:
+        return self.core.config
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.core.stats
+
+    @property
+    def running(self) -> list[Request]:
+        return self.core.running
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    @property
+    def healthy(self) -> bool:
+        """Whether a request submitted now will be served."""
+        return self._thread.is_alive() and not (self._closed or self._recovering or self._failed)
+
+    # --- any thread -----------------------------------------------------------------------
+    def submit(
+        self, prompt: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> RequestHandle:
+        """Validate and queue; ValueError / QueueFull / EngineClosed before anything changes."""
+        with self._lock:
+            if self._closed or self._failed:
+                raise EngineClosed(self._failed or "the engine is shut down")
+            request = self.core.new_request(prompt, params, request_id, self._in_transit)
+            self._in_transit += 1
+            self._inbox.put(("submit", request))
+        self._wake.set()
+        return RequestHandle(request, self.cancel)
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id))
+        self._wake.set()
+
+    def busy(self) -> bool:
+        return self._in_transit > 0 or self.core.busy()
+
+    def shutdown(self, drain: bool = False, timeout: float | None = None) -> None:
+        """Refuse new requests; with drain, let accepted ones finish first; then stop the thread."""
+        with self._lock:
+            self._closed = True
+        if drain:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while self.busy() and self._thread.is_alive():
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+                time.sleep(0.01)
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        atexit.unregister(self._exit_hook)
+
+    # --- the engine thread ----------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._drain_inbox()
+            try:
+                worked = self.core.step()
+            except Exception as err:  # a bug or a device error: nobody may hang on it
+                worked = self._recover(err)
+            if not worked and not self._stop.is_set():
+                self._wake.wait()
+                self._wake.clear()
+        self._drain_inbox()
+        if self._failed is None:
+            self.core.cancel_all()
+        # MLX's per-thread streams must be destroyed by the thread that made them before it
+        # exits; left to static destructors at process exit they abort it (exit code 134).
+        mx.clear_streams()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "submit":
+                with self._lock:
+                    self._in_transit -= 1
+                if self._failed is not None:
+                    item.finish("error", self._failed)
+                else:
+                    self.core.scheduler.add(item)
+            else:
+                self.core.cancel(item)
+
+    def _recover(self, err: Exception) -> bool:
+        log.exception("engine step failed; failing the requests in flight")
+        self._recovering = True
+        message = f"engine step failed: {type(err).__name__}: {err}"
+        try:
+            self.core.fail_in_flight(message)
+        except Exception as again:
+            log.exception("engine recovery failed; the engine is closed")
+            self._failed = f"{message} (recovery failed: {type(again).__name__}: {again})"
+            for request in [*self.core.running, *self.core.scheduler.joining]:
+                request.finish("error", self._failed)
+            for request in self.core.scheduler.waiting:
+                request.finish("error", self._failed)
+            self.core.scheduler.waiting.clear()
+            self._stop.set()
+            return False
+        finally:
+            self._recovering = False
+        return True
+
+
+def _weak_shutdown(engine: Engine) -> Any:
+    ref = weakref.ref(engine)
+
+    def shutdown_at_exit() -> None:
+        alive = ref()
+        if alive is not None:
+            alive.shutdown()
+
+    return shutdown_at_exit
+
+
+__all__ = ["Engine", "EngineClosed", "RequestHandle", "RequestOutput"]
