@@ -137,10 +137,15 @@ def test_adaptive_depth_is_lossless(target, drafters, plain):
 
 def test_zero_draft_tokens_per_request_turns_speculation_off(target, drafters):
     prompts, _ = prompts_and_params(3, seed=4, sampled=False)
-    params = [SamplingParams(max_tokens=10, num_draft_tokens=0)] * 3
+    params = [SamplingParams(max_tokens=10, num_draft_tokens=0),
+              SamplingParams(max_tokens=10, num_draft_tokens=0, temperature=1.0, seed=5,
+                             ignore_eos=True),
+              SamplingParams(max_tokens=10, num_draft_tokens=0)]
     results, engine = run(target[1], prompts, params, drafters["self"](), FixedDepth(4))
     assert engine.stats.drafted.get(engine.drafter.name, 0) == 0
     assert all(r.stats.drafted == 0 and len(r.tokens) == 10 for r in results)
+    plain, _ = run(target[1], prompts, params)
+    assert [r.tokens for r in results] == [r.tokens for r in plain]
 
 
 def test_recurrent_target_and_vocab_mismatch_are_refused(tiny_model, target):
