@@ -9,6 +9,7 @@ tool-call round trip on a tiny model built to call a tool, schemathesis fuzzing 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import itertools
 import json
@@ -19,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import httpx
 import mlx.core as mx
@@ -30,9 +32,10 @@ from mlx_tandem.drafters.factory import build_depth, build_drafter
 from mlx_tandem.engine.config import RuntimeConfig
 from mlx_tandem.engine.sampling import SamplingParams
 from mlx_tandem.engine.service import Engine
+from mlx_tandem.models.catalogue import DEFAULT_MODEL
 from mlx_tandem.models.loader import LoadedModel, load_folder
 from mlx_tandem.models.tiny import make_tiny_model, tiny_tokenizer
-from mlx_tandem.server import ServerOptions, create_app
+from mlx_tandem.server import ServerOptions, create_app, uvicorn_config
 from mlx_tandem.server.metrics import parse as parse_metrics
 
 EOS = 256  # the tiny tokenizer's <eos>
@@ -59,8 +62,9 @@ class LiveServer:
         depth = build_depth("fixed", 3) if drafter else None
         self.model = model
         self.engine = Engine(model, cfg, drafter=spec, depth=depth)
-        self.app = create_app(model, self.engine, ServerOptions(model_id=model.name, **options))
-        config_ = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning")
+        self.options = ServerOptions(model_id=model.name, **options)
+        self.app = create_app(model, self.engine, self.options)
+        config_ = uvicorn_config(self.app, self.options, "127.0.0.1", 0, log_level="warning")
         self.server = uvicorn.Server(config_)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -387,11 +391,24 @@ def test_api_key_cors_and_body_limit(strict):
     assert r.status_code == 413
 
 
-def test_queue_full_is_429_with_retry_after(strict):
-    with pytest.raises(openai.RateLimitError) as caught:
-        chat(strict, "queue", n=5, max_tokens=200)  # 1 row, 2 queue places: 5 rows cannot fit
-    assert caught.value.response.headers["retry-after"] == "1"
-    assert caught.value.response.json()["error"]["code"] == "queue_full"
+def test_queue_full_is_429_and_more_than_it_can_ever_hold_is_400(strict):
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(strict, "queue", n=5, max_tokens=200)  # 2 queue places: 5 rows can never fit
+    assert caught.value.response.json()["error"]["param"] == "n"
+    long = SamplingParams(max_tokens=400, logit_bias={EOS: -100})
+    busy = [strict.engine.submit([5, 6, 7], long)]
+    deadline = time.monotonic() + 5
+    while not strict.engine.running and time.monotonic() < deadline:
+        time.sleep(0.005)
+    busy += [strict.engine.submit([5, 6, 7], long) for _ in range(2)]  # the queue is full now
+    try:
+        with pytest.raises(openai.RateLimitError) as caught:
+            chat(strict, "queue", n=2, max_tokens=4)
+        assert caught.value.response.headers["retry-after"] == "1"
+        assert caught.value.response.json()["error"]["code"] == "queue_full"
+    finally:
+        for handle in busy:
+            handle.cancel()
     assert strict.wait_idle()  # the rows already queued were withdrawn
     assert chat(strict, "queue", max_tokens=2).choices[0].finish_reason in ("stop", "length")
 
@@ -625,25 +642,70 @@ def test_openapi_fuzz_has_no_5xx(small_server):
 # --- the CLI process ----------------------------------------------------------------------------
 
 
+def mlx_lm_server_parser() -> argparse.ArgumentParser:
+    """The parser mlx_lm.server's main() builds (captured at its parse_args call)."""
+    import mlx_lm.server
+
+    class Built(Exception):
+        pass
+
+    def capture(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        raise Built(self)
+
+    patch = mock.patch.object(argparse.ArgumentParser, "parse_args", capture)
+    with patch, pytest.raises(Built) as built:
+        mlx_lm.server.main()
+    return built.value.args[0]
+
+
+# mlx_lm.server flags `tandem serve` does not take, and why
+NOT_OURS = {
+    "--adapter-path": "no LoRA adapters",
+    "--trust-remote-code": "no remote code: tokenizers come from the folder or the GGUF",
+    "--use-default-chat-template": "no default template",
+    "--prompt-concurrency": "prefill batching is budgeted by --prefill-chunk",
+    "--prompt-cache-size": "no prompt cache",
+    "--prompt-cache-bytes": "no prompt cache",
+    "--kv-bits": "no KV quantization",
+    "--kv-group-size": "no KV quantization",
+    "--quantized-kv-start": "no KV quantization",
+    "--pipeline": "one device",
+}
+# flags both have whose default differs on purpose
+OUR_DEFAULTS = {
+    "--model": DEFAULT_MODEL,  # theirs has no default model; ours is the catalogue default
+    "--draft-model": "ngram",  # speculation on by default
+    "--allowed-origins": [],  # CORS off unless asked for
+    "--decode-concurrency": None,  # --max-rows, resolved by RuntimeConfig
+    "--prefill-step-size": None,  # --prefill-chunk, resolved by RuntimeConfig
+}
+
+
 def test_serve_flags_match_mlx_lm_server():
     from mlx_tandem.cli.main import build_parser
 
-    args = build_parser().parse_args(["serve"])
-    assert (args.host, args.port, args.max_tokens, args.temp, args.top_p) == (
-        "127.0.0.1",
-        8080,
-        512,
-        0.0,
-        1.0,
-    )
-    assert (args.top_k, args.min_p, args.num_draft_tokens, args.chat_template_args) == (
-        0,
-        0.0,
-        3,
-        "{}",
-    )
-    assert (args.draft_model, args.api_key, args.cors_origin) == ("ngram", None, [])
-    args = build_parser().parse_args(
+    theirs = mlx_lm_server_parser()
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    ours = {flag: a for a in sub.choices["serve"]._actions for flag in a.option_strings}
+    compared = 0
+    for action in theirs._actions:
+        flag = next((f for f in action.option_strings if f.startswith("--")), None)
+        if flag in (None, "--help") or flag in NOT_OURS:
+            continue
+        assert flag in ours, f"tandem serve lacks mlx_lm.server's {flag}"
+        mine = ours[flag]
+        default = mine.default  # --chat-template-args: both hold the JSON text "{}"
+        expected = OUR_DEFAULTS.get(flag, action.default)
+        assert default == expected, (flag, default, action.default)
+        if action.type in (int, float):
+            assert mine.type is action.type, flag
+        if action.choices:
+            assert list(mine.choices) == list(action.choices), flag
+        compared += 1
+    assert compared >= 14
+
+    args = parser.parse_args(
         [
             "serve",
             "--allowed-origins",
@@ -660,6 +722,8 @@ def test_serve_flags_match_mlx_lm_server():
     )
     assert args.cors_origin == ["http://a,http://b"] and args.max_rows == 8
     assert args.log_level == "DEBUG" and args.draft_model == "none"
+    args = parser.parse_args(["serve"])
+    assert (args.api_key, args.allow_request_chat_template) == (None, False)
 
 
 def test_serve_flag_errors_and_chat_template(tmp_path, capsys):

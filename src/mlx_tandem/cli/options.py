@@ -1,11 +1,17 @@
-"""Flags shared by subcommands (model, dtype, sampling), spelled as mlx_lm.generate spells them."""
+"""Flags shared by subcommands (model, dtype, sampling, engine), spelled as mlx_lm spells them.
+
+The sampling flags are derived from SamplingParams' knobs (engine/sampling.py), never
+listed here. Oracle: tests/test_cli.py (flag names and errors), tests/test_server.py
+(`tandem serve`'s flags equal mlx_lm.server's).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
-from mlx_tandem.engine.sampling import SamplingParams
+from mlx_tandem.engine.sampling import SamplingParams, knobs
 from mlx_tandem.models.catalogue import DEFAULT_MODEL
 from mlx_tandem.models.loader import DTYPES
 
@@ -25,65 +31,71 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int = 100) -> None:
-    p.add_argument("--max-tokens", "-m", type=int, default=max_tokens)
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--min-tokens-to-keep", type=int, default=1)
-    p.add_argument("--repetition-penalty", type=float, default=None)
-    p.add_argument("--repetition-context-size", type=int, default=20)
-    p.add_argument("--presence-penalty", type=float, default=None)
-    p.add_argument("--frequency-penalty", type=float, default=None)
-    p.add_argument(
-        "--logit-bias",
-        type=json.loads,
-        default=None,
-        help="JSON object of token id -> bias, e.g. '{\"42\": -100}'",
-    )
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument(
-        "--extra-eos-token",
-        action="append",
-        default=[],
-        help="extra end-of-sequence token (string, repeatable)",
-    )
-    p.add_argument("--logprobs", type=int, default=0, help="top-N logprobs per token (with --json)")
+def add_sampling_flags(
+    p: argparse.ArgumentParser, max_tokens: int = 100, *, server: bool = False
+) -> None:
+    """One flag per SamplingParams knob that has a CLI spelling (mlx_lm.generate's names).
+
+    server=True: only the knobs `tandem serve` takes as server-wide defaults.
+    """
+    base = SamplingParams(max_tokens=max_tokens)
+    for name, (k, _) in knobs().items():
+        if not k.flags or (server and not k.server):
+            continue
+        default = getattr(base, name)
+        help_ = f"{'default ' if server else ''}{k.help}"
+        if k.kind == "strings":
+            p.add_argument(*k.flags, dest=name, action="append", default=list(default), help=help_)
+        elif k.kind == "bias":
+            p.add_argument(*k.flags, dest=name, type=json.loads, default=None, help=help_)
+        else:
+            kind = int if k.kind == "int" else float
+            p.add_argument(*k.flags, dest=name, type=kind, default=default, help=help_)
+    if not server:
+        p.add_argument(
+            "--extra-eos-token",
+            action="append",
+            default=[],
+            help="extra end-of-sequence token (string, repeatable)",
+        )
 
 
-def sampling_params(args: argparse.Namespace, tokenizer) -> SamplingParams:
-    bias = args.logit_bias or {}
+def sampling_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The parsed sampling flags as SamplingParams keyword arguments (`off` values -> None)."""
+    values: dict[str, Any] = {}
+    for name, (k, _) in knobs().items():
+        if not k.flags or not hasattr(args, name):
+            continue
+        value = getattr(args, name)
+        if k.kind == "bias":
+            value = _logit_bias(value)
+        elif k.kind == "strings":
+            value = tuple(value)
+        elif k.off is not None and value == k.off:
+            value = None
+        values[name] = value
+    return values
+
+
+def _logit_bias(bias: Any) -> dict[int, float]:
+    if bias is None:
+        return {}
     if not isinstance(bias, dict):
         raise ValueError("--logit-bias must be a JSON object of token id -> bias")
     try:
-        logit_bias = {int(k): float(v) for k, v in bias.items()}
+        return {int(k): float(v) for k, v in bias.items()}
     except (TypeError, ValueError) as err:
         raise ValueError(f"--logit-bias has a non-numeric entry: {err}") from None
+
+
+def sampling_params(args: argparse.Namespace, tokenizer: Any) -> SamplingParams:
     extra_ids = []
     for token in args.extra_eos_token:
         ids = tokenizer.encode(token, add_special_tokens=False)
         if len(ids) != 1:
             raise ValueError(f"--extra-eos-token {token!r} is not a single token ({len(ids)} ids)")
         extra_ids.append(ids[0])
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temp,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        min_tokens_to_keep=args.min_tokens_to_keep,
-        repetition_penalty=args.repetition_penalty,
-        repetition_context_size=args.repetition_context_size,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        logit_bias=logit_bias,
-        seed=args.seed,
-        stop=tuple(args.stop),
-        stop_token_ids=tuple(extra_ids),
-        logprobs=args.logprobs,
-    )
+    return SamplingParams(**sampling_values(args), stop_token_ids=tuple(extra_ids))
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:

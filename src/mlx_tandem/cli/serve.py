@@ -4,13 +4,20 @@
 
 mlx_lm.server's flags: --model --host --port --draft-model --num-draft-tokens --temp --top-p
 --top-k --min-p --max-tokens --chat-template --chat-template-args --log-level (and
---allowed-origins, --decode-concurrency, --prefill-step-size as aliases of ours). Ours:
---max-rows --memory-budget --max-queue --api-key --cors-origin --dtype --draft-depth
---max-body-size --drain-timeout. Speculation is on by default (prompt lookup,
+--allowed-origins, --decode-concurrency, --prefill-step-size as aliases of ours). The
+sampling defaults are derived from SamplingParams' knobs (the server ones: also the
+penalties and --min-tokens-to-keep). Ours: --max-rows --memory-budget --max-queue
+--api-key --cors-origin --dtype --draft-depth --max-body-size --drain-timeout, and the
+hostile-client limits --max-connections --header-timeout --body-timeout --prompt-timeout
+--allow-request-chat-template (off: a request may not carry its own template). Speculation is on by default (prompt lookup,
 `--draft-model ngram`, `--draft-depth adaptive`: rows draft only as deep as their
 measured acceptance pays for); `--draft-model none` turns it off.
 
-Checks before anything loads: flag values (JSON of --chat-template-args, sizes, ports).
+Checks before anything loads: flag values (JSON of --chat-template-args, sizes, ports,
+every sampling default through SamplingParams).
+
+Oracle: tests/test_server.py (flags and defaults equal mlx_lm.server's own parser's;
+SIGTERM drains a real process).
 Shutdown: the first SIGINT/SIGTERM stops accepting connections and new requests, lets
 running rows finish for --drain-timeout seconds, then cancels the rest (their streams end
 with finish_reason "abort"); the process exits 0. A second SIGINT forces the exit.
@@ -34,7 +41,9 @@ from mlx_tandem.cli.options import (
     add_draft_flags,
     add_engine_flags,
     add_model_flags,
+    add_sampling_flags,
     runtime_config,
+    sampling_values,
 )
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -49,11 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_draft_flags(p)
     p.set_defaults(draft_model="ngram", draft_depth="adaptive")  # adaptive: see BENCHMARKS
-    p.add_argument("--temp", type=float, default=0.0, help="default sampling temperature")
-    p.add_argument("--top-p", type=float, default=1.0, help="default nucleus sampling top-p")
-    p.add_argument("--top-k", type=int, default=0, help="default top-k (0 disables it)")
-    p.add_argument("--min-p", type=float, default=0.0, help="default min-p (0 disables it)")
-    p.add_argument("--max-tokens", type=int, default=512, help="default max tokens per choice")
+    add_sampling_flags(p, max_tokens=512, server=True)
     p.add_argument("--chat-template", default="", help="a chat template (text or a file path)")
     p.add_argument(
         "--chat-template-args",
@@ -81,6 +86,35 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-body-size", default="4M", help="largest request body (default 4M)")
     p.add_argument(
+        "--max-connections",
+        type=int,
+        default=1000,
+        help="open connections at most (lowered to fit the descriptor limit)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection has to send a complete request head",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a request has to send its whole body (then 408)",
+    )
+    p.add_argument(
+        "--prompt-timeout",
+        type=float,
+        default=10.0,
+        help="seconds one request's chat template + tokenization may take (then 400)",
+    )
+    p.add_argument(
+        "--allow-request-chat-template",
+        action="store_true",
+        help="let requests carry their own chat_template in chat_template_kwargs",
+    )
+    p.add_argument(
         "--drain-timeout",
         type=float,
         default=10.0,
@@ -99,18 +133,20 @@ def chat_template_args(text: str) -> dict[str, Any]:
     return value
 
 
-def check_args(args: argparse.Namespace) -> None:
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port must be in 0..65535, got {args.port}")
-    if args.max_tokens < 1:
-        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    if args.drain_timeout < 0:
-        raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
-    if args.api_key is not None and not args.api_key.strip():
-        raise ValueError("--api-key is empty")
+def check_args(args: argparse.Namespace) -> Any:
+    """Refuse bad flag values before anything loads; returns the sampling defaults."""
     from mlx_tandem.engine.sampling import SamplingParams
 
-    SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    for flag in ("drain_timeout", "header_timeout", "body_timeout", "prompt_timeout"):
+        if not getattr(args, flag) >= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
+    if args.max_connections < 1:
+        raise ValueError(f"--max-connections must be >= 1, got {args.max_connections}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key is empty")
+    return SamplingParams(**sampling_values(args))
 
 
 def set_chat_template(tokenizer: Any, template: str) -> None:
@@ -125,7 +161,7 @@ def set_chat_template(tokenizer: Any, template: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from mlx_tandem.engine.config import parse_bytes
 
-    check_args(args)
+    defaults = check_args(args)
     template_args = chat_template_args(args.chat_template_args)
     max_body = parse_bytes(args.max_body_size)
     origins = tuple(o.strip() for item in args.cors_origin for o in item.split(",") if o.strip())
@@ -136,12 +172,10 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
 
-    import uvicorn
-
     from mlx_tandem.drafters.factory import build_depth, build_drafter
     from mlx_tandem.engine.service import Engine
     from mlx_tandem.models.loader import load
-    from mlx_tandem.server.app import ServerOptions, create_app
+    from mlx_tandem.server import ServerOptions, create_app, uvicorn_config
 
     model = load(args.model, dtype=args.dtype)
     if args.chat_template:
@@ -154,21 +188,23 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(model, config, drafter=drafter, depth=depth)
     options = ServerOptions(
         model_id=model.name,
-        max_tokens=args.max_tokens,
-        temperature=args.temp,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
+        defaults=defaults,
         chat_template_args=template_args,
+        allow_request_templates=args.allow_request_chat_template,
+        prompt_timeout_s=args.prompt_timeout,
         api_key=args.api_key,
         cors_origins=origins,
         max_body_bytes=max_body,
+        body_timeout_s=args.body_timeout,
+        header_timeout_s=args.header_timeout,
+        max_connections=args.max_connections,
     )
     app = create_app(model, engine, options)
-    uv = uvicorn.Config(
+    uv = uvicorn_config(
         app,
-        host=args.host,
-        port=args.port,
+        options,
+        args.host,
+        args.port,
         log_level=args.log_level.lower(),
         timeout_graceful_shutdown=int(args.drain_timeout) + 5,
         access_log=args.log_level == "DEBUG",

@@ -1,4 +1,14 @@
-"""Per-row sampling: validated parameters, logits processing and keyed sampling.
+"""Per-row sampling: the one declaration of the sampling fields, their validation, keyed sampling.
+
+`SamplingParams` is declared once: each field's `Knob` (dataclass field metadata)
+carries its help text, its CLI flag spelling (mlx_lm.generate's), its request field
+names (OpenAI's / mlx_lm.server's), its range, and whether `tandem serve` takes it as a
+server-wide default. The CLI flags (`cli/options.py`), the server's defaults and the
+request schema (`server/schemas.py`) are derived from these knobs. Validation raises
+`InvalidParameter` naming the field (the server reports it as OpenAI's `param`).
+Values that cannot produce a distribution are refused, never clamped: a temperature in
+(0, MIN_SCALE) (1/T overflows float32, every scaled logit becomes -inf) and a
+repetition_penalty below MIN_SCALE (positive logits / penalty overflow).
 
 One `RowSampler` per request. It turns a row's raw logits into
   * `logprobs`: log-softmax after the logits processors (penalties, bias) —
@@ -9,15 +19,17 @@ One `RowSampler` per request. It turns a row's raw logits into
 Randomness is keyed by (seed, absolute position, purpose), never a shared
 stream, so a seeded row draws the same token alone or in any batch.
 
-Oracle: tests/test_sampling.py (greedy == mlx-lm argmax; processors equal
-mlx-lm's; keyed Gumbel-max equals mx.random.categorical with the same key).
+Oracle: tests/test_sampling.py (greedy == mlx-lm argmax; keyed Gumbel-max equals
+mx.random.categorical with the same key; every knob's bounds refused by name).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -30,72 +42,124 @@ PURPOSE_SAMPLE = 0
 PURPOSE_DRAFT = 1
 PURPOSE_ACCEPT = 2
 
+MIN_SCALE = 1e-6  # smallest positive temperature / repetition_penalty (see the header)
+MAX_STOP = 16
+MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
+MAX_DRAFT = 64
+MAX_WINDOW = 1 << 20
+
+
+class InvalidParameter(ValueError):
+    """A sampling value outside its declared range; `field` names it (the server's `param`)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Knob:
+    """How one SamplingParams field is spelled and bounded everywhere it appears.
+
+    kind: "int" | "float" | "bias" (token id -> bias) | "strings" | "ids" | "bool".
+    flags: CLI spelling (mlx_lm.generate's); () = no flag. wire: request field names
+    (the first one a request gives wins); () = not a request field. off: a flag or wire
+    value meaning "disabled", stored as None. server: `tandem serve` has it as a default.
+    """
+
+    help: str
+    kind: str = "float"
+    flags: tuple[str, ...] = ()
+    wire: tuple[str, ...] = ()
+    lo: float | None = None
+    hi: float | None = None
+    min_positive: float | None = None  # a positive value must be at least this
+    off: float | None = None
+    server: bool = False
+
+
+def _knob(default: Any = None, *, factory: Any = None, **kw: Any) -> Any:
+    meta = {"knob": Knob(**kw)}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """Everything that decides one request's tokens. Validated on construction."""
 
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    min_tokens_to_keep: int = 1
-    repetition_penalty: float | None = None
-    repetition_context_size: int = 20
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    penalty_context_size: int = 20
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    logprobs: int = 0
-    num_draft_tokens: int | None = None  # cap on drafted tokens per step (0: no speculation)
-    ignore_eos: bool = False  # generate max_tokens even past EOS (benchmarks)
+    max_tokens: int = _knob(
+        256, kind="int", flags=("--max-tokens", "-m"), wire=("max_tokens",), lo=1, server=True,
+        help="maximum number of tokens to generate",
+    )  # fmt: skip
+    temperature: float = _knob(
+        0.0, flags=("--temp",), wire=("temperature",), lo=0.0, hi=100.0,
+        min_positive=MIN_SCALE, server=True, help="sampling temperature (0 = greedy)",
+    )  # fmt: skip
+    top_p: float = _knob(
+        1.0, flags=("--top-p",), wire=("top_p",), lo=0.0, hi=1.0, server=True,
+        help="nucleus sampling top-p (0 or 1 disables it)",
+    )  # fmt: skip
+    top_k: int = _knob(
+        0, kind="int", flags=("--top-k",), wire=("top_k",), lo=0, server=True,
+        help="top-k sampling (0 disables it)",
+    )  # fmt: skip
+    min_p: float = _knob(
+        0.0, flags=("--min-p",), wire=("min_p",), lo=0.0, hi=1.0, server=True,
+        help="min-p sampling (0 disables it)",
+    )  # fmt: skip
+    min_tokens_to_keep: int = _knob(
+        1, kind="int", flags=("--min-tokens-to-keep",), lo=1, server=True,
+        help="minimum tokens min-p keeps",
+    )  # fmt: skip
+    repetition_penalty: float | None = _knob(
+        None, flags=("--repetition-penalty",), wire=("repetition_penalty",), lo=MIN_SCALE,
+        hi=100.0, off=0.0, server=True,
+        help="mlx-lm's multiplicative repetition penalty (0 or unset: off)",
+    )  # fmt: skip
+    repetition_context_size: int = _knob(
+        20, kind="int", flags=("--repetition-context-size",), wire=("repetition_context_size",),
+        lo=1, hi=MAX_WINDOW, server=True, help="tokens the repetition penalty looks back",
+    )  # fmt: skip
+    presence_penalty: float | None = _knob(
+        None, flags=("--presence-penalty",), wire=("presence_penalty",), lo=-2.0, hi=2.0,
+        off=0.0, server=True, help="additive presence penalty in [-2, 2] (0: off)",
+    )  # fmt: skip
+    frequency_penalty: float | None = _knob(
+        None, flags=("--frequency-penalty",), wire=("frequency_penalty",), lo=-2.0, hi=2.0,
+        off=0.0, server=True, help="additive frequency penalty in [-2, 2] (0: off)",
+    )  # fmt: skip
+    penalty_context_size: int = _knob(
+        20, kind="int", wire=("presence_context_size", "frequency_context_size"), lo=1,
+        hi=MAX_WINDOW, help="tokens the presence and frequency penalties look back",
+    )  # fmt: skip
+    logit_bias: dict[int, float] = _knob(  # noqa: RUF009 (a field() with metadata)
+        kind="bias", factory=dict, flags=("--logit-bias",), wire=("logit_bias",), lo=-100.0,
+        hi=100.0, help="token id -> bias in [-100, 100] (JSON object, e.g. '{\"42\": -100}')",
+    )  # fmt: skip
+    seed: int | None = _knob(
+        None, kind="int", flags=("--seed",), wire=("seed",), lo=MIN_SEED, hi=MAX_SEED,
+        help="PRNG seed (choice i of a request uses seed + i)",
+    )  # fmt: skip
+    stop: tuple[str, ...] = _knob(
+        (), kind="strings", flags=("--stop",), wire=("stop",), hi=MAX_STOP,
+        help=f"stop string (repeatable; at most {MAX_STOP})",
+    )  # fmt: skip
+    stop_token_ids: tuple[int, ...] = _knob((), kind="ids", help="extra end-of-sequence ids")
+    logprobs: int = _knob(
+        0, kind="int", flags=("--logprobs",), lo=0, hi=MAX_TOP_LOGPROBS,
+        help="top-N logprobs per token (with --json)",
+    )  # fmt: skip
+    num_draft_tokens: int | None = _knob(
+        None, kind="int", wire=("num_draft_tokens",), lo=0, hi=MAX_DRAFT,
+        help="cap on drafted tokens per step; 0 = no speculation",
+    )  # fmt: skip
+    ignore_eos: bool = _knob(False, kind="bool", help="generate max_tokens even past EOS")
 
     def __post_init__(self) -> None:
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"invalid {name}={getattr(self, name)!r}: {why}")
-
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise bad("max_tokens", "must be an integer >= 1")
-        if not _finite(self.temperature) or self.temperature < 0:
-            raise bad("temperature", "must be a finite number >= 0")
-        if not _finite(self.top_p) or not 0.0 <= self.top_p <= 1.0:
-            raise bad("top_p", "must be in [0, 1] (0 or 1 disables it)")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", "must be an integer >= 0 (0 disables it)")
-        if not _finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", "must be in [0, 1]")
-        if self.repetition_penalty is not None and (
-            not _finite(self.repetition_penalty) or self.repetition_penalty <= 0
-        ):
-            raise bad("repetition_penalty", "must be a finite number > 0")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value is not None and (not _finite(value) or abs(value) > 2.0):
-                raise bad(name, "must be in [-2, 2]")
-        for name in ("repetition_context_size", "penalty_context_size", "min_tokens_to_keep"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise bad(name, "must be an integer >= 1")
-        for token, bias in self.logit_bias.items():
-            if not isinstance(token, int) or token < 0 or not _finite(bias):
-                raise ValueError(
-                    f"invalid logit_bias entry {token!r}: {bias!r}: need token id >= 0, finite bias"
-                )
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "must be an integer")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise bad("stop", "stop strings must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be token ids >= 0")
-        if self.num_draft_tokens is not None and (
-            not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 0
-        ):
-            raise bad("num_draft_tokens", "must be an integer >= 0")
-        if not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise bad("logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        for name, (k, default) in knobs().items():
+            check_value(name, k, getattr(self, name), optional=default is None)
 
     @property
     def greedy(self) -> bool:
@@ -103,9 +167,74 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids in the request must exist in the model's vocabulary."""
-        for token in (*self.logit_bias, *self.stop_token_ids):
-            if token >= vocab_size:
-                raise ValueError(f"token id {token} is outside the vocabulary (size {vocab_size})")
+        for name in ("logit_bias", "stop_token_ids"):
+            bad = next((t for t in getattr(self, name) if t >= vocab_size), None)
+            if bad is not None:
+                raise InvalidParameter(
+                    name, f"{name}: token id {bad} is outside the vocabulary (size {vocab_size})"
+                )
+
+
+_KNOBS: dict[str, tuple[Knob, Any]] = {}
+
+
+def knobs() -> dict[str, tuple[Knob, Any]]:
+    """Field name -> (its Knob, its default), in declaration order."""
+    if not _KNOBS:
+        for f in dataclasses.fields(SamplingParams):
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            _KNOBS[f.name] = (f.metadata["knob"], default)
+    return _KNOBS
+
+
+def range_text(k: Knob) -> str:
+    if k.lo is not None and k.hi is not None:
+        return f"in [{k.lo:g}, {k.hi:g}]"
+    return f">= {k.lo:g}" if k.lo is not None else f"<= {k.hi:g}"
+
+
+def _in_range(k: Knob, x: float) -> bool:
+    return (k.lo is None or x >= k.lo) and (k.hi is None or x <= k.hi)
+
+
+def check_value(name: str, k: Knob, value: Any, optional: bool = False) -> None:
+    """Raise InvalidParameter(name) unless `value` is a valid value of the field."""
+
+    def bad(why: str) -> InvalidParameter:
+        return InvalidParameter(name, f"invalid {name}={value!r}: {why}")
+
+    if value is None and optional:
+        return
+    if k.kind == "int":
+        if type(value) is not int or not _in_range(k, value):  # bool is not a number here
+            raise bad(f"must be an integer {range_text(k)}")
+    elif k.kind == "float":
+        if not _finite(value) or not _in_range(k, value):
+            raise bad(f"must be a finite number {range_text(k)}")
+        if k.min_positive is not None and 0 < value < k.min_positive:
+            least = "0 or at least" if k.lo == 0 else "at least"
+            raise bad(
+                f"must be {least} {k.min_positive:g}: a smaller value cannot produce a "
+                "sampling distribution in float32"
+            )
+    elif k.kind == "bias":
+        if not isinstance(value, dict):
+            raise bad("must map token ids to biases")
+        for token, bias in value.items():
+            if type(token) is not int or token < 0:
+                raise bad(f"key {token!r} is not a token id")
+            if not _finite(bias) or not _in_range(k, bias):
+                raise bad(f"the bias of token {token} must be a finite number {range_text(k)}")
+    elif k.kind == "strings":
+        if not isinstance(value, tuple) or any(not isinstance(s, str) or not s for s in value):
+            raise bad("stop strings must be non-empty strings")
+        if k.hi is not None and len(value) > k.hi:
+            raise bad(f"at most {k.hi:g} stop strings")
+    elif k.kind == "ids":
+        if not isinstance(value, tuple) or any(type(t) is not int or t < 0 for t in value):
+            raise bad("must be token ids >= 0")
+    elif k.kind == "bool" and not isinstance(value, bool):
+        raise bad("must be true or false")
 
 
 def _finite(x: object) -> bool:

@@ -1,14 +1,23 @@
 """OpenAI-compatible HTTP server over the batched speculative engine (`tandem serve`).
 
-    app.py        create_app(model, engine, options): routes, checks, middleware
+    app.py        create_app(model, engine, options): routes
+    state.py      ServerOptions, ServerState (what handlers share; /health's verdict)
+    guard.py      ASGI middleware: API key, body size/deadline, 5xx shaping, counting
+    transport.py  uvicorn protocol: request-head deadline, connection cap
+    prompts.py    chat template + tokenizer off the event loop, time-limited
+    jobs.py       request -> engine rows: option checks, SamplingParams per choice
     responses.py  engine rows -> JSON bodies and SSE streams (logprobs, usage, tool calls)
     schemas.py    pydantic request/response models (what /openapi.json describes)
     metrics.py    Prometheus text for GET /metrics
     tools.py      tool-call parsing with mlx-lm's parsers
 
+Imports go one way: app -> jobs, prompts, guard, responses -> state -> metrics, tools.
+
 Oracle: tests/test_server.py (a live uvicorn server, the official openai client).
 """
 
-from mlx_tandem.server.app import ServerOptions, create_app
+from mlx_tandem.server.app import create_app
+from mlx_tandem.server.state import ServerOptions
+from mlx_tandem.server.transport import uvicorn_config
 
-__all__ = ["ServerOptions", "create_app"]
+__all__ = ["ServerOptions", "create_app", "uvicorn_config"]

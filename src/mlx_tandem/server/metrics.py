@@ -19,10 +19,7 @@ from __future__ import annotations
 
 import bisect
 import threading
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from mlx_tandem.engine.service import Engine
+from typing import Any
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -88,7 +85,7 @@ class Metrics:
             if ttft_s is not None:
                 self.ttft.observe(ttft_s)
 
-    def render(self, engine: Engine) -> str:
+    def render(self, engine: Any) -> str:
         running = len(engine.running)
         queued = len(engine.scheduler.waiting) + len(engine.scheduler.joining)
         drafted = engine.stats.drafted.copy()

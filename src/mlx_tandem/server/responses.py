@@ -1,8 +1,8 @@
 """Engine rows -> OpenAI responses: JSON bodies, SSE streams, logprobs, usage, tool calls.
 
-Owns the life of a request's rows once submitted: reading each row's events (the engine
-thread writes them to a blocking queue; a dedicated thread pool turns the waits into
-awaitables, so no stream waits on another's thread), folding them into per-choice state,
+Owns the life of a request's rows once submitted: reading each row's events (awaited on
+the event loop through `RequestHandle.__aiter__`, which the engine thread wakes: no
+thread waits for a row), folding them into per-choice state,
 shaping chat / text-completion bodies and SSE chunks, and releasing rows. Checks: a
 client that disconnects (stream or not) has its unfinished rows cancelled at once, so
 they leave the engine within one step; a row that errors gives a 500 (JSON) or an
@@ -16,17 +16,15 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from mlx_tandem.engine.request import RequestHandle, RequestOutput
 from mlx_tandem.server.schemas import ApiError
+from mlx_tandem.server.state import ServerState
 from mlx_tandem.server.tools import ToolCallStream
-
-if TYPE_CHECKING:
-    from mlx_tandem.server.app import ServerState
 
 # --- reading rows ------------------------------------------------------------------------------
 
@@ -47,18 +45,18 @@ class Row:
 
 
 async def merged_events(
-    state: ServerState, handles: list[RequestHandle]
+    handles: list[RequestHandle],
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(choice index, event) from all rows, in arrival order, until every row has finished."""
-    loop = asyncio.get_running_loop()
+    if len(handles) == 1:
+        async for out in handles[0]:
+            yield 0, out
+        return
     inbox: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
 
     async def pump(i: int, handle: RequestHandle) -> None:
-        while True:
-            out = await loop.run_in_executor(state.pool, handle.request.events.get)
+        async for out in handle:
             inbox.put_nowait((i, out))
-            if out.finish_reason is not None:
-                return
 
     tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
     try:
@@ -229,7 +227,7 @@ async def stream_body(state: ServerState, job: Job) -> AsyncIterator[str]:
             elif job.echo[row.index]:
                 yield chunk(row.index, {"content": job.echo[row.index]})
         offsets = [len(e) for e in job.echo]
-        async for i, out in merged_events(state, job.handles):
+        async for i, out in merged_events(job.handles):
             row = job.rows[i]
             content, calls = observe(state, row, out, True)
             lp = _shape_logprobs(state, job, row, out.logprobs, offsets[i])
@@ -261,7 +259,7 @@ async def run_job(state: ServerState, request: Request, job: Job) -> Response:
         )
 
     async def collect() -> None:
-        async for i, out in merged_events(state, job.handles):
+        async for i, out in merged_events(job.handles):
             observe(state, job.rows[i], out, False)
 
     async def disconnected() -> None:

@@ -1,13 +1,19 @@
 """Pydantic models of the OpenAI-compatible API: what a request may carry, what a response holds.
 
 Owns the wire shapes of /v1/chat/completions, /v1/completions, /v1/models and the
-OpenAI error object. Checks, at the HTTP boundary and before any engine state is
-touched: field types and ranges (temperature >= 0, top_p in [0, 1], penalties in
-[-2, 2], n in [1, MAX_N], top_logprobs in [0, 20], ...), non-finite numbers, content
+OpenAI error object. The sampling fields are not listed here: `SamplingFields` is built
+from SamplingParams' knobs (engine/sampling.py: wire names, ranges, help). Checks, at the
+HTTP boundary and before any engine state is touched: strict types (no coercion: `"4"`,
+`true` or `4.0` is not an integer, a string is not a number, `[true]` is not token ids),
+ranges, non-finite numbers, text that is valid Unicode (no lone surrogates), content
 parts of type "text" only, at least one message. Field names follow OpenAI and
 mlx_lm.server (num_draft_tokens, repetition_penalty, top_k, min_p, chat_template_kwargs
-are mlx-lm's extensions). Unknown fields are ignored, as both of them do. The response
-models document /openapi.json; the handlers build the same shapes as plain dicts.
+are mlx-lm's extensions). Unknown fields are ignored, as both of them do; the known
+options this server does not implement are declared (so they are not ignored) and
+refused by the handlers (server/jobs.py). The response models document /openapi.json;
+the handlers build the same shapes as plain dicts.
+
+Oracle: tests/test_server.py (every field's bad values give 400 naming the field).
 """
 
 from __future__ import annotations
@@ -15,61 +21,75 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
+
+from mlx_tandem.engine.sampling import MAX_TOP_LOGPROBS, knobs
 
 MAX_N = 16  # rows one HTTP request may ask for
-MAX_TOP_LOGPROBS = 20
-MAX_STOP = 16
-MAX_DRAFT = 64
-MAX_SEED = (1 << 64) - 1
 
-Number = float
+
+def _unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("not valid Unicode (a lone surrogate such as \\ud800)") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class SamplingFields(_Body):
+def _sampling_field(kind: str, lo: float | None, hi: float | None, help_: str) -> tuple:
+    bounds = {"ge": lo, "le": hi}
+    if kind == "int":
+        return int | None, Field(None, description=help_, **bounds)
+    if kind == "float":
+        return float | None, Field(None, description=help_, **bounds)
+    if kind == "bias":
+        value = Annotated[float, Field(ge=lo, le=hi)]
+        return dict[str, value] | None, Field(None, description=help_)
+    if kind == "strings":
+        return Text | list[Text] | None, Field(None, description=help_)
+    raise ValueError(f"no wire shape for knob kind {kind!r}")
+
+
+def _sampling_fields() -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for k, _ in knobs().values():
+        lo = k.lo if k.off is None or k.lo is None else min(k.lo, k.off)
+        for wire in k.wire:
+            fields[wire] = _sampling_field(k.kind, lo, k.hi, k.help)
+    return fields
+
+
+_SamplingKnobs = create_model(  # the request fields of every SamplingParams knob with a wire name
+    "SamplingKnobs", __base__=_Body, **_sampling_fields()
+)
+
+
+class SamplingFields(_SamplingKnobs):  # type: ignore[misc, valid-type]
     """Fields shared by chat and text completions (OpenAI names, plus mlx_lm.server's)."""
 
     model: str | None = Field(
         None, description="Accepted and ignored: the server answers with the model it serves."
     )
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: Number | None = Field(None, ge=0.0, le=100.0)
-    top_p: Number | None = Field(None, ge=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)
-    min_p: Number | None = Field(None, ge=0.0, le=1.0)
-    presence_penalty: Number | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: Number | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: Number | None = Field(
-        None, ge=0.0, le=100.0, description="mlx-lm's multiplicative penalty; 0 or 1 turns it off"
-    )
-    repetition_context_size: int | None = Field(None, ge=1, le=1 << 20)
-    presence_context_size: int | None = Field(None, ge=1, le=1 << 20)
-    frequency_context_size: int | None = Field(None, ge=1, le=1 << 20)
-    logit_bias: dict[str, Annotated[Number, Field(ge=-100.0, le=100.0)]] | None = Field(
-        None, description="token id (as a string) -> bias in [-100, 100]"
-    )
-    seed: int | None = Field(None, ge=-(1 << 63), le=MAX_SEED)
-    stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOP} stop strings")
     n: int = Field(1, ge=1, le=MAX_N, description="choices: separate rows, seeds seed, seed+1, ...")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    num_draft_tokens: int | None = Field(
-        None, ge=0, le=MAX_DRAFT, description="cap on drafted tokens per step; 0 = no speculation"
-    )
     user: str | None = None
 
 
 class TextPart(_Body):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ToolCallFunction(_Body):
@@ -88,10 +108,10 @@ class MessageToolCall(_Body):
 class ChatMessage(_Body):
     model_config = ConfigDict(extra="allow")  # extra keys reach the chat template
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
     tool_calls: list[MessageToolCall] | None = None
-    tool_call_id: str | None = None
+    tool_call_id: Text | None = None
 
 
 class FunctionSpec(_Body):
@@ -110,22 +130,44 @@ class NamedToolChoice(_Body):
     function: dict[str, Any]
 
 
+_UNSUPPORTED = "not supported: refused (400) unless it asks for the default behaviour"
+
+# The options this server does not implement, and the one value of each that asks for
+# nothing (the default behaviour), which is accepted.
+UNSUPPORTED: dict[str, Any] = {
+    "response_format": {"type": "text"},
+    "parallel_tool_calls": True,
+    "best_of": 1,
+    "suffix": "",
+}
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="wins over max_tokens")
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none | auto; `required` and a named function are refused (400)"
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description="extra chat-template variables; `add_generation_prompt` (default true) "
+        "is honoured; `chat_template` only when the server allows request templates",
+    )
+    response_format: Any = Field(None, description=_UNSUPPORTED)
+    parallel_tool_calls: Any = Field(None, description=_UNSUPPORTED)
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+    prompt: Text | list[Text] | list[int] | list[list[int]] = Field(
         description="text, several texts, token ids, or several lists of token ids"
     )
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    best_of: Any = Field(None, description=_UNSUPPORTED)
+    suffix: Any = Field(None, description=_UNSUPPORTED)
 
 
 # --- responses (documentation of /openapi.json) ---------------------------------------------

@@ -1,0 +1,213 @@
+"""A validated request body + its prompts -> engine rows (a Job), or a 4xx/5xx naming why not.
+
+Owns the request-side rules that pydantic cannot state: options this server does not
+implement (refused by name unless they ask for the default), `tool_choice` and tool
+messages, `n` against what the engine's queue can ever hold (400, not 429), the
+context window, logit_bias token ids, and each choice's SamplingParams: the server's
+defaults (`ServerOptions.defaults`) overridden by the request's fields, read through
+SamplingParams' knobs (wire names) — nothing is listed twice. A SamplingParams that
+refuses a value raises InvalidParameter; its `field` becomes the error's `param`.
+Submission refusals: QueueFull -> 429 + Retry-After, EngineClosed (or any RuntimeError
+from a closed engine) -> 503, ValueError -> 400; rows already queued are withdrawn.
+
+Oracle: tests/test_server.py and tests/test_server_hostile.py (each refusal's status
+and `param`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from typing import Any
+
+from mlx_tandem.engine.request import RequestHandle
+from mlx_tandem.engine.sampling import InvalidParameter, SamplingParams, knobs
+from mlx_tandem.engine.scheduler import QueueFull
+from mlx_tandem.server import schemas as S
+from mlx_tandem.server.responses import Job, Row
+from mlx_tandem.server.schemas import ApiError
+from mlx_tandem.server.state import ServerState
+from mlx_tandem.server.tools import ToolCallStream
+
+
+def refuse_unsupported(body: S.SamplingFields) -> None:
+    for name, default in S.UNSUPPORTED.items():
+        value = getattr(body, name, None)
+        if value is not None and value != default:
+            raise ApiError(
+                400, f"{name} is not supported by this server", name, code="unsupported_parameter"
+            )
+    if isinstance(body, S.ChatCompletionRequest):
+        choice = body.tool_choice
+        if choice is not None and choice not in ("none", "auto"):
+            why = "needs tools" if not body.tools else "(forcing a tool call) is not supported"
+            raise ApiError(
+                400, f"tool_choice {_choice_name(choice)} {why}; use 'auto' or 'none'",
+                "tool_choice", code="unsupported_parameter",
+            )  # fmt: skip
+        for i, message in enumerate(body.messages):
+            if message.role == "tool" and not message.tool_call_id:
+                raise ApiError(
+                    400, "a tool message needs the tool_call_id it answers",
+                    f"messages[{i}].tool_call_id",
+                )  # fmt: skip
+
+
+def _choice_name(choice: Any) -> str:
+    return repr(choice) if isinstance(choice, str) else f"function {choice.function.get('name')!r}"
+
+
+def _wire_name(field: str) -> str:
+    knob = knobs().get(field)
+    return knob[0].wire[0] if knob and knob[0].wire else field
+
+
+def request_values(body: S.SamplingFields, vocab: int) -> dict[str, Any]:
+    """The request's sampling fields as SamplingParams keyword arguments (knob by knob)."""
+    values: dict[str, Any] = {}
+    for name, (k, _) in knobs().items():
+        given = [(w, getattr(body, w, None)) for w in k.wire]
+        wire, value = next(((w, v) for w, v in given if v is not None), (None, None))
+        if wire is None:
+            continue
+        if k.kind == "bias":
+            value = _logit_bias(value, vocab)
+        elif k.kind == "strings":
+            value = tuple(s for s in ([value] if isinstance(value, str) else value) if s)
+        elif k.off is not None and value == k.off:
+            value = None
+        values[name] = value
+    return values
+
+
+def _logit_bias(bias: dict[str, float], vocab: int) -> dict[int, float]:
+    out = {}
+    for key, value in bias.items():
+        if not key.isascii() or not key.isdigit():
+            raise ApiError(400, f"logit_bias key {key!r} is not a token id", "logit_bias")
+        token = int(key)
+        if token >= vocab:
+            raise ApiError(400, f"logit_bias token {token} is outside the vocabulary", "logit_bias")
+        out[token] = value
+    return out
+
+
+def choice_params(
+    state: ServerState,
+    overrides: dict[str, Any],
+    prompt_len: int,
+    max_tokens: tuple[str, int | None],
+    logprobs: int,
+    choice: int,
+) -> SamplingParams:
+    """One choice's parameters: request fields over server defaults, seeds seed + choice."""
+    context = state.model.context_length
+    name, explicit = max_tokens
+    if explicit is not None:
+        if prompt_len + explicit > context:
+            raise ApiError(
+                400,
+                f"prompt ({prompt_len} tokens) + {name} ({explicit}) exceeds the model's "
+                f"context window ({context} tokens)",
+                name,
+            )
+        limit = explicit
+    else:
+        limit = min(state.options.defaults.max_tokens, context - prompt_len)
+        if limit < 1:
+            raise ApiError(400, f"prompt ({prompt_len} tokens) fills the context window", name)
+    values = {**overrides, "max_tokens": limit, "logprobs": logprobs}
+    if values.get("seed") is not None:
+        values["seed"] += choice
+    try:
+        return dataclasses.replace(state.options.defaults, **values)
+    except InvalidParameter as err:
+        param = name if err.field == "max_tokens" else _wire_name(err.field)
+        raise ApiError(400, str(err), param) from None
+
+
+def submit_all(
+    state: ServerState, prompts: list[list[int]], params: list[SamplingParams], prefix: str
+) -> list[RequestHandle]:
+    """Submit every choice; on any refusal cancel the ones already queued and raise."""
+    if not state.serving:
+        raise ApiError(503, "the server is not serving", None, "server_error", "unavailable")
+    handles: list[RequestHandle] = []
+    try:
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            handles.append(state.engine.submit(prompt, p, request_id=f"{prefix}-{i}"))
+    except QueueFull as err:
+        _withdraw(handles)
+        retry = {"Retry-After": str(state.options.retry_after_s)}
+        raise ApiError(429, str(err), None, "rate_limit_error", "queue_full", retry) from None
+    except InvalidParameter as err:
+        _withdraw(handles)
+        raise ApiError(400, str(err), _wire_name(err.field)) from None
+    except ValueError as err:  # what the engine refuses about the prompt or its size
+        _withdraw(handles)
+        raise ApiError(400, str(err), "max_tokens" if "max_tokens" in str(err) else None) from None
+    except RuntimeError:  # EngineClosed: shut down, or failed for good
+        _withdraw(handles)
+        raise ApiError(
+            503, "the engine is not serving", None, "server_error", "unavailable"
+        ) from None
+    state.track(handles)
+    for prompt in prompts:
+        state.metrics.record_prompt(len(prompt))
+    return handles
+
+
+def _withdraw(handles: list[RequestHandle]) -> None:
+    for h in handles:
+        h.cancel()
+
+
+def build_job(
+    state: ServerState,
+    body: S.SamplingFields,
+    prompts: list[list[int]],
+    chat: bool,
+    echo_texts: list[str] | None = None,
+) -> Job:
+    rows = len(prompts) * body.n
+    if rows > S.MAX_N:
+        raise ApiError(400, f"prompts x n is {rows}; at most {S.MAX_N}", "n")
+    queue = state.engine.config.max_queue
+    if rows > queue:
+        raise ApiError(
+            400, f"prompts x n is {rows} rows; this server queues at most {queue} at once", "n"
+        )
+    if chat:
+        assert isinstance(body, S.ChatCompletionRequest)
+        if body.top_logprobs and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        k = (body.top_logprobs or 0) if body.logprobs else None
+        explicit = body.max_completion_tokens or body.max_tokens
+        name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        tools = state.tools if body.tools and body.tool_choice != "none" else None
+        echo = [""] * rows
+    else:
+        assert isinstance(body, S.CompletionRequest)
+        if body.echo and body.logprobs is not None:
+            raise ApiError(400, "echo with logprobs (prompt logprobs) is not supported", "echo")
+        k, explicit, name, tools = body.logprobs, body.max_tokens, "max_tokens", None
+        texts = echo_texts if body.echo and echo_texts else [""] * len(prompts)
+        echo = [t for t in texts for _ in range(body.n)]
+    engine_k = 0 if k is None else max(1, k)
+    overrides = request_values(body, state.model.graph.vocab_size)
+    every = [p for p in prompts for _ in range(body.n)]
+    params = [
+        choice_params(state, overrides, len(p), (name, explicit), engine_k, c % body.n)
+        for c, p in enumerate(every)
+    ]
+    prefix = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    tool_args = None
+    if tools is not None and isinstance(body, S.ChatCompletionRequest) and body.tools:
+        tool_args = [t.model_dump(exclude_none=True) for t in body.tools]
+    handles = submit_all(state, every, params, prefix)
+    row_states = [
+        Row(i, ToolCallStream(*tools, tool_args) if tools is not None else None)
+        for i in range(len(every))
+    ]
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return Job(chat, prompts, handles, row_states, k, echo, body.stream, include_usage, prefix)
