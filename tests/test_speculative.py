@@ -111,6 +111,21 @@ def test_seeded_sampled_rows_identical_alone_and_batched(target, drafters, name)
         assert alone[0].tokens == batched[i].tokens
 
 
+def test_seeded_sampling_with_deterministic_drafts_equals_plain_sampling(target, drafters):
+    """Prompt lookup drafts are verified by each position's own keyed sample, so a seeded
+    row's tokens are plain sampling's at every depth, fixed or adaptive, alone or batched."""
+    prompts, _ = prompts_and_params(8, seed=5)
+    params = [SamplingParams(max_tokens=14, temperature=0.9, top_p=0.95, seed=70 + i)
+              for i in range(len(prompts))]
+    reference, _ = run(target[1], prompts, params)
+    drafted = 0
+    for depth in (FixedDepth(1), FixedDepth(3), FixedDepth(8), AdaptiveDepth(4)):
+        got, engine = run(target[1], prompts, params, drafters["ngram"](), depth)
+        assert [r.tokens for r in got] == [r.tokens for r in reference], depth.name
+        drafted += engine.stats.drafted.get("ngram", 0)
+    assert drafted > 0
+
+
 def test_stop_strings_and_eos_inside_a_block_cut_like_plain(target, drafters, plain):
     model = target[1]
     prompts, _, expected = plain
@@ -262,3 +277,33 @@ def test_sampled_speculation_matches_the_target_distribution(tiny_vocab, top_p, 
     monkeypatch.setattr(verify_module, "accept_draft", lambda u, p_d, q_d: u <= p_d)
     wrong = _joint_test(tiny_vocab, params, lambda ctx: q_fixed, None, np.random.default_rng(0))
     assert _chi2_pvalue(wrong, expected) < 1e-6
+
+
+def test_deterministic_drafts_take_exactly_the_plain_keyed_sample(tiny_vocab):
+    """Per slot, a one-hot draft is accepted iff the position's own keyed sample (the token a
+    step without drafts draws there) equals it, and that sample is what is emitted: 400
+    seeded rows, drafts with p(d) from ~0.1 to ~0.6."""
+    logits = mx.repeat(mx.array([[[2.0, 1.5, 1.0, 0.2, -1.0], [0.1, 0.3, 0.2, 1.9, 0.0]]]), 400, 0)
+
+    def rows(generated):
+        out = []
+        for s in range(400):
+            p = SamplingParams(temperature=1.0, seed=s, max_tokens=4)
+            r = Request(list(PROMPT), p, RowSampler(p, V), RowOutput(tiny_vocab.tokenizer, (), set(), 4))
+            r.tokens = list(generated)  # the position keys the draw
+            out.append(r)
+        return out
+
+    drafts = [[s % 3] for s in range(400)]  # d in {0, 1, 2}
+    verdicts = verify_module.verify(rows([]), logits, drafts, [None] * 400)
+    none = [[]] * 400
+    first = verify_module.verify(rows([]), logits[:, :1], none, [None] * 400)
+    second = verify_module.verify(rows([0]), logits[:, 1:], none, [None] * 400)
+    accepted = 0
+    for d, v, a, b in zip(drafts, verdicts, first, second, strict=True):
+        if a.tokens[0] == d[0]:
+            accepted += 1
+            assert (v.accepted, v.tokens) == (1, [d[0], b.tokens[0]])
+        else:
+            assert (v.accepted, v.tokens) == (0, a.tokens)
+    assert 50 < accepted < 350

@@ -7,10 +7,17 @@ includes d_1..d_j, then truncation filters and temperature).
 
   * greedy: accept d_{j+1} while it equals argmax p_j; emit the argmax at the
     first mismatch (or the bonus argmax p_k after a full accept);
-  * sampled (Leviathan et al. / Chen et al.): accept d_{j+1} when
-    u * q_j(d_{j+1}) <= p_j(d_{j+1}), u ~ U(0,1); on rejection draw from
+  * sampled, deterministic drafts (prompt lookup, greedy drafting; q is None):
+    draw the position's own keyed sample t_j ~ p_j (the draw plain sampling
+    makes there), accept d_{j+1} while t_j == d_{j+1}, emit t_j at the first
+    mismatch, t_k after a full accept. Acceptance probability p_j(d) and the
+    rejected slot's distribution are exactly the rejection rule's for a one-hot
+    q, and the tokens are exactly plain sampling's with the same seed, so a
+    seeded row's text never depends on how deep it drafted;
+  * sampled, stochastic drafts (Leviathan et al. / Chen et al.): accept d_{j+1}
+    when u * q_j(d_{j+1}) <= p_j(d_{j+1}), u ~ U(0,1); on rejection draw from
     normalize(max(0, p_j - q_j)); after a full accept draw the bonus from p_k.
-    q is one-hot for deterministic drafters. Ratios in float32.
+    Ratios in float32.
 Randomness is keyed by (seed, absolute position, purpose), so a row's outcome
 never depends on the batch, and a row with no proposals draws exactly the
 token plain decoding draws. All rows are decided with batched ops (rows that
@@ -99,11 +106,16 @@ def _sampled(
     u = mx.vmap(lambda k: mx.random.uniform(shape=(), key=k))(
         position_keys(seeds, positions[:, :K], PURPOSE_ACCEPT).reshape(-1, 2)
     ).reshape(n, K)
-    accept = accept_draft(u, p_d, q_d)
     residual = mx.maximum(p - q_full, 0.0)
     empty = residual.sum(axis=-1, keepdims=True) <= 0  # p == q: the draw is never used
     residual = mx.where(empty, p, residual)
     draws = _draw(sample_keys[:, :K].reshape(-1, 2), mx.log(residual).reshape(-1, V)).reshape(n, K)
+    # Deterministic drafts: accept while the position's own keyed sample equals the draft, and
+    # emit that sample at the first mismatch — the same token plain sampling draws there.
+    fixed = mx.array([qi is None for qi in q])[:, None]
+    own = bonus[:, :K].astype(mx.int32)
+    accept = mx.where(fixed, own == d, accept_draft(u, p_d, q_d))
+    draws = mx.where(fixed, own, draws.astype(mx.int32))
     return accept, draws, bonus
 
 
