@@ -2,7 +2,8 @@
 
 import pytest
 
-from mlx_tandem.engine.output import TextStream
+from mlx_tandem import SamplingParams
+from mlx_tandem.engine.output import RowOutput, TextStream
 
 
 def feed(model, tokens, stop=()):
@@ -50,3 +51,56 @@ def test_earliest_of_several_stops_wins(tiny_model):
     m = tiny_model("llama")
     text, stopped, _ = feed(m, ids(m, "one two three"), ["three", "two"])
     assert stopped and text == "one "
+
+
+def _run_rule(m, tokens, stop=(), stop_ids=(), max_tokens=100):
+    rule = RowOutput(m.tokenizer, tuple(stop), set(stop_ids), max_tokens)
+    text, kept = "", []
+    for t in tokens:
+        delta, emitted = rule.add(t)
+        text += delta
+        kept += [t] if emitted else []
+        if rule.finish_reason:
+            break
+    return text, kept, rule.finish_reason
+
+
+def test_finish_rule_stop_id_is_not_emitted(tiny_model):
+    m = tiny_model("llama")
+    toks = ids(m, "alpha beta gamma")
+    text, kept, reason = _run_rule(m, toks, stop_ids=[toks[2]])
+    assert (kept, reason) == (toks[:2], "stop")
+    assert text == m.tokenizer.decode(toks[:2])
+
+
+def test_finish_rule_stop_string_and_length(tiny_model):
+    m = tiny_model("llama")
+    toks = ids(m, "alpha beta gamma delta")
+    text, _, reason = _run_rule(m, toks, stop=["gam"])
+    assert (text, reason) == ("alpha beta ", "stop")
+    text, kept, reason = _run_rule(m, toks, max_tokens=3)
+    assert (kept, reason) == (toks[:3], "length") and text == m.tokenizer.decode(toks[:3])
+    _, _, reason = _run_rule(m, toks)
+    assert reason is None  # ran out of tokens without finishing
+
+
+def test_plain_path_and_rows_engine_share_the_finish_rule(tiny_model):
+    """Both paths stop a greedy row at the same token with the same reason and text."""
+    from mlx_tandem import generate
+    from mlx_tandem.engine.config import RuntimeConfig
+    from mlx_tandem.engine.core import EngineCore
+
+    m = tiny_model("llama")
+    plain = generate(m, [5, 6, 7], max_tokens=12)
+    stop_text = m.tokenizer.decode(plain.tokens[4:6])
+    for params in (
+        SamplingParams(max_tokens=12, stop_token_ids=(plain.tokens[3],)),
+        SamplingParams(max_tokens=12, stop=(stop_text,)),
+        SamplingParams(max_tokens=5),
+    ):
+        a = generate(m, [5, 6, 7], params)
+        core = EngineCore(m, RuntimeConfig.resolve(environ={}))
+        handle = core.submit([5, 6, 7], params)
+        core.run_until_idle()
+        b = handle.result()
+        assert (a.tokens, a.text, a.finish_reason) == (b.tokens, b.text, b.finish_reason)
