@@ -1,0 +1,89 @@
+"""Negative control on real SmolLM2: the batch-invariance machinery is needed, and it works.
+
+Without it the shape dependence it guards against is there (a projection's per-row result
+changes below a probed row count; mlx's fused SDPA gives a row a different result in a batch
+with wider keys), and on this BLAS a row's logits differ between alone and batched when
+projection padding and the routed attention are off. With it on they are identical.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from mlx_tandem.engine.runner import ModelRunner
+from mlx_tandem.models.invariance import probe_min_rows
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List primes."]
+
+
+@pytest.fixture(scope="module")
+def smollm2(real_model):
+    return real_model("smollm2-135m", "float32")
+
+
+def _alone_vs_batched(model, batch_invariant: bool, steps: int = 3) -> list[bool]:
+    """Per row: are its greedy decode logits identical alone and in a batch of all rows?"""
+    runner = ModelRunner(model, batch_invariant=batch_invariant)
+    prompts = [model.encode(q) for q in QUESTIONS]
+
+    def prefilled(p: list[int]):
+        row = runner.blank_rows(1)
+        runner.prefill(row, p[:-1], 64)
+        return row
+
+    def decode(rows, tokens: list[int]) -> list[list[mx.array]]:
+        out: list[list[mx.array]] = [[] for _ in tokens]
+        ids = mx.array(tokens, dtype=mx.int32)[:, None]
+        for _ in range(steps):
+            logits = runner.logits(runner.forward(rows, ids))[:, -1]
+            mx.eval(logits)
+            for i in range(len(tokens)):
+                out[i].append(logits[i])
+            ids = mx.argmax(logits, axis=-1)[:, None].astype(mx.int32)
+        return out
+
+    alone = [decode(prefilled(p), [p[-1]])[0] for p in prompts]
+    rows = runner.empty_rows()
+    rows.prepare_append([prefilled(p) for p in prompts]).commit()
+    batched = decode(rows, [p[-1] for p in prompts])
+    return [
+        all(mx.array_equal(a, b).item() for a, b in zip(x, y, strict=True))
+        for x, y in zip(alone, batched, strict=True)
+    ]
+
+
+def _fused_sdpa_depends_on_key_width(H: int, Hkv: int, D: int, L: int = 4) -> bool:
+    k1, k2, k3 = mx.random.split(mx.random.key(0), 3)
+    lens = [7, 40, 300, 1000]
+    S = max(lens)
+    q = mx.random.normal((len(lens), H, L, D), key=k1)
+    k = mx.random.normal((len(lens), Hkv, S, D), key=k2)
+    v = mx.random.normal((len(lens), Hkv, S, D), key=k3)
+    mask = (mx.arange(S)[None] < mx.array(lens)[:, None])[:, None, None, :]
+    batched = mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask=mask)
+    return any(
+        not mx.array_equal(
+            mx.fast.scaled_dot_product_attention(
+                q[i : i + 1], k[i : i + 1, :, :n], v[i : i + 1, :, :n], scale=D**-0.5
+            ),
+            batched[i : i + 1],
+        ).item()
+        for i, n in enumerate(lens)
+    )
+
+
+def test_invariance_is_needed_and_sufficient_on_smollm2(smollm2):
+    attn = smollm2.model.model.layers[0].self_attn
+    needs = {
+        name: probe_min_rows(getattr(attn, name), attn.q_proj.weight.shape[1])
+        for name in ("q_proj", "k_proj", "v_proj")
+    }
+    assert max(needs.values()) > 1, needs  # one row is not shape-stable
+    assert _fused_sdpa_depends_on_key_width(attn.n_heads, attn.n_kv_heads, 64)
+    off = _alone_vs_batched(smollm2, batch_invariant=False)
+    on = _alone_vs_batched(smollm2, batch_invariant=True)
+    assert all(on), on
+    print(f"probe {needs}; machinery off, rows equal alone/batched: {off}")
