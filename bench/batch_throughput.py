@@ -2,6 +2,8 @@
 
 Same process, same loaded model, same chat-templated prompts, greedy, N new
 tokens per prompt (EOS ignored on both sides so every row does the same work).
+Engines are built (probes, memory measurement) before any clock starts; the
+timed region is submit -> every request finished.
 Reports total generated tok/s at B = 1, 4, 8, 16 and the tandem/mlx-lm ratio,
 for the default batch-invariant engine and with TANDEM_BATCH_INVARIANT=0, plus
 the time to first token of a request that joins a busy batch of 8.
@@ -26,9 +28,7 @@ from mlx_tandem.engine.core import EngineCore
 from mlx_tandem.models.loader import load
 
 
-def tandem_run(model, prompts, n: int, invariant: bool) -> int:
-    config = RuntimeConfig.resolve(max_rows=16, batch_invariant=invariant)
-    engine = EngineCore(model, config)
+def tandem_run(engine: EngineCore, prompts, n: int) -> int:
     handles = [engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p in prompts]
     engine.run_until_idle()
     return sum(len(h.result().tokens) for h in handles)
@@ -38,9 +38,8 @@ def mlx_lm_run(model, prompts, n: int) -> int:
     return sum(len(t) for t in mlx_lm_batch(model, prompts, n))
 
 
-def join_ttft(model, prompts, n: int) -> float:
+def join_ttft(engine: EngineCore, prompts, n: int) -> float:
     """Seconds from submit to first token for a request joining 8 running rows."""
-    engine = EngineCore(model, RuntimeConfig.resolve(max_rows=16))
     for p in prompts[:8]:
         engine.submit(p, SamplingParams(max_tokens=n * 4, ignore_eos=True))
     for _ in range(12):
@@ -50,7 +49,7 @@ def join_ttft(model, prompts, n: int) -> float:
     while not late.request.tokens:
         engine.step()
     ttft = time.perf_counter() - start
-    engine.shutdown()
+    engine.cancel_all()
     return ttft
 
 
@@ -67,18 +66,22 @@ def main() -> None:
     print(machine_line(f"batch throughput, {args.model} {model.dtype}, {args.tokens} tokens/row"))
     print("| B | mlx-lm tok/s | tandem tok/s | ratio | tandem (invariance off) tok/s | ratio |")
     print("|---|---|---|---|---|---|")
+    engines = {
+        invariant: EngineCore(model, RuntimeConfig.resolve(max_rows=16, batch_invariant=invariant))
+        for invariant in (True, False)
+    }
     for b in [int(x) for x in args.batches.split(",")]:
         batch = prompts[:b]
         t_ref, n_ref = timed(lambda batch=batch: mlx_lm_run(model, batch, args.tokens), args.repeats)
-        t_inv, n_inv = timed(lambda batch=batch: tandem_run(model, batch, args.tokens, True),
+        t_inv, n_inv = timed(lambda batch=batch: tandem_run(engines[True], batch, args.tokens),
                              args.repeats)
-        t_off, n_off = timed(lambda batch=batch: tandem_run(model, batch, args.tokens, False),
+        t_off, n_off = timed(lambda batch=batch: tandem_run(engines[False], batch, args.tokens),
                              args.repeats)
         ref, inv, off = n_ref / t_ref, n_inv / t_inv, n_off / t_off
         print(f"| {b} | {ref:.1f} | {inv:.1f} | {inv / ref:.2f}x | {off:.1f} | {off / ref:.2f}x |",
               flush=True)
     print(f"\nTTFT of a request joining 8 running rows (tandem): "
-          f"{join_ttft(model, prompts, args.tokens):.2f} s")
+          f"{join_ttft(engines[True], prompts, args.tokens):.2f} s")
 
 
 if __name__ == "__main__":
