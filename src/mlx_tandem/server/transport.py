@@ -11,6 +11,9 @@ server's file descriptors:
     with a request the new one is closed at once;
   * idle keep-alive connections close after `keep_alive_s` (uvicorn's own timer).
 The body's deadline is the Guard's (server/guard.py), which can still answer 408.
+Closing happens on the event loop's next turn, and the loop accepts up to `backlog`
+connections per turn, so open sockets stay under max_connections + backlog; the
+listen backlog is therefore a quarter of the cap (at least 64, at most 2048).
 
 Oracle: tests/test_server_hostile.py (2,100 slow half-open connections: open
 connections stay under the cap, /health answers within 1 s throughout).
@@ -34,7 +37,8 @@ def connection_cap(requested: int) -> int:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return requested
-    return max(16, min(requested, soft - FD_RESERVE))
+    room = soft - FD_RESERVE  # connections + one accept burst (backlog) must fit in it
+    return max(16, min(requested, room - backlog(room)))
 
 
 def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[H11Protocol]:
@@ -99,5 +103,10 @@ def uvicorn_config(app: Any, options: ServerOptions, host: str, port: int, **kw:
         port=port,
         http=guarded_protocol(cap, options.header_timeout_s),
         timeout_keep_alive=max(1, round(options.keep_alive_s)),
+        backlog=backlog(cap),
         **kw,
     )
+
+
+def backlog(cap: int) -> int:
+    return max(64, min(2048, cap // 4))
