@@ -1,0 +1,32 @@
+"""The soak (bench/soak.py) at smaller scale: 16 clients, 60 requests, real SmolLM2 (slow).
+
+A live `tandem serve` subprocess; 20% of clients hang up mid-stream, 10% send invalid
+bodies, the rest stream greedy completions of mixed lengths. Nothing is lost or
+truncated, every completed greedy text equals its solo reference, no 5xx, no rows left,
+RSS back within 10% of its post-warm-up value, thread count back to its warm value.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import soak  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def test_soak_small(real_model):
+    real_model("smollm2-135m", "float32")  # fetched and prepared before the server starts
+    result = soak.run("smollm2-135m", clients=16, requests=60, seed=3, request_timeout=240)
+    print(soak.table(result))
+    assert result["lost"] == result["truncated"] == result["mismatched"] == 0, result["details"]
+    assert result["greedy"] > 30 and result["disconnected"] > 0 and result["refused_400"] > 0
+    assert result["http_5xx"] == 0 and result["rows_left"] == 0
+    assert abs(result["rss_end_mb"] - result["rss_warm_mb"]) <= 0.1 * result["rss_warm_mb"]
+    assert result["threads_end"] == result["threads_warm"]
+    assert result["passed"]
