@@ -3,7 +3,14 @@
 import mlx.core as mx
 import pytest
 
-from mlx_tandem.engine.sampling import RowSampler, SamplingParams, position_key
+from mlx_tandem.engine.sampling import (
+    MIN_SCALE,
+    InvalidParameter,
+    RowSampler,
+    SamplingParams,
+    knobs,
+    position_key,
+)
 
 
 @pytest.mark.parametrize(
@@ -58,3 +65,48 @@ def test_unseeded_rows_get_distinct_seeds():
     a = RowSampler(SamplingParams(temperature=1.0), 10)
     b = RowSampler(SamplingParams(temperature=1.0), 10)
     assert a.seed != b.seed
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", 1e-45),  # 1/T overflows float32: every scaled logit would be -inf
+        ("temperature", 5e-7),
+        ("repetition_penalty", 1e-45),  # positive logits / penalty overflow
+        ("max_tokens", True),  # bool is not a number
+        ("top_k", 2.0),
+        ("logit_bias", {3: 101.0}),
+        ("stop", ("a",) * 17),
+    ],
+)
+def test_values_without_a_distribution_or_of_the_wrong_type_raise_invalid_parameter(field, value):
+    with pytest.raises(InvalidParameter) as err:
+        SamplingParams(**{field: value})
+    assert err.value.field == field and field in str(err.value)
+
+
+def test_smallest_allowed_scales_still_sample():
+    logits = mx.array([[2.0, 1.0, 0.5, -1.0]])
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    cold = RowSampler(SamplingParams(temperature=MIN_SCALE, seed=2), 4)
+    assert mx.all(mx.isfinite(cold.sample_logits(logprobs)[:, :1])).item()
+    assert {cold.sample(logprobs, p).item() for p in range(20)} == {0}
+
+
+def test_every_knob_is_declared_once_and_derived_everywhere():
+    import argparse
+
+    from mlx_tandem.cli.options import add_sampling_flags, sampling_values
+    from mlx_tandem.server.schemas import ChatCompletionRequest
+
+    parser = argparse.ArgumentParser()
+    add_sampling_flags(parser)
+    flags = {f for a in parser._actions for f in a.option_strings}
+    fields = ChatCompletionRequest.model_fields
+    for name, (k, _) in knobs().items():
+        assert set(k.flags) <= flags, name
+        assert all(w in fields and fields[w].description == k.help for w in k.wire), name
+        if k.flags:
+            assert name in sampling_values(parser.parse_args([])), name
+    assert {"--max-tokens", "-m", "--temp", "--top-p", "--top-k", "--min-p", "--seed"} <= flags
+    assert SamplingParams(**sampling_values(parser.parse_args(["--temp", "0.5"]))).temperature == 0.5

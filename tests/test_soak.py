@@ -15,7 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-import soak  # noqa: E402
+import soak
 
 pytestmark = pytest.mark.slow
 
