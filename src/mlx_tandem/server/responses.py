@@ -47,16 +47,19 @@ class Row:
 async def merged_events(
     handles: list[RequestHandle],
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(choice index, event) from all rows, in arrival order, until every row has finished."""
-    if len(handles) == 1:
-        async for out in handles[0]:
-            yield 0, out
-        return
+    """(choice index, event) from all rows, in arrival order, until every row has finished.
+
+    Each row ends with exactly one final event: if reading a row fails, it ends as an error.
+    """
     inbox: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
 
     async def pump(i: int, handle: RequestHandle) -> None:
-        async for out in handle:
-            inbox.put_nowait((i, out))
+        try:
+            async for out in handle:
+                inbox.put_nowait((i, out))
+        except Exception as err:  # the row's events are lost; its client must hear an end
+            error = f"reading the row's events failed: {type(err).__name__}"
+            inbox.put_nowait((i, RequestOutput(handle.id, "", [], [], "error", error)))
 
     tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
     try:
