@@ -143,9 +143,9 @@ def submit_all(
     except InvalidParameter as err:
         _withdraw(handles)
         raise ApiError(400, str(err), _wire_name(err.field)) from None
-    except ValueError as err:  # what the engine refuses about the prompt or its size
+    except ValueError as err:  # the engine's own refusal (e.g. over the KV budget)
         _withdraw(handles)
-        raise ApiError(400, str(err), "max_tokens" if "max_tokens" in str(err) else None) from None
+        raise ApiError(400, str(err)) from None
     except RuntimeError:  # EngineClosed: shut down, or failed for good
         _withdraw(handles)
         raise ApiError(
