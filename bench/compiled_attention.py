@@ -19,7 +19,7 @@ from functools import partial
 import mlx.core as mx
 from common import machine_line
 
-from mlx_tandem.kv.attention import invariant_attention, stable_query_rows
+from mlx_tandem.kv.attention import invariant_attention, stable_group_rows
 
 
 def bench(f, n: int = 30) -> float:
@@ -32,7 +32,7 @@ def bench(f, n: int = 30) -> float:
 
 
 def main() -> None:
-    rows = stable_query_rows(64, 9, 3, str(mx.float32))
+    rows = stable_group_rows(64, 9, 3, str(mx.float32))
     print(machine_line("compiled attention (9/3 heads, dim 64)"))
     print("| B | keys | plain ms | compiled ms | ratio | fused SDPA ms (not batch-invariant) | identical |")
     print("|---|---|---|---|---|---|---|")
@@ -45,7 +45,7 @@ def case(B: int, W: int, rows: int) -> None:
     k = mx.random.normal((B, 3, W, 64))
     v = mx.random.normal((B, 3, W, 64))
     valid = (mx.arange(W)[None, None] < W - 100)[:, None] | mx.zeros((B, 1, 1, W), mx.bool_)
-    compiled = mx.compile(partial(invariant_attention, scale=0.125, query_rows=rows))
+    compiled = mx.compile(partial(invariant_attention, scale=0.125, group_rows=rows))
     plain = bench(lambda: invariant_attention(q, k, v, 0.125, valid, rows))
     comp = bench(lambda: compiled(q, k, v, valid=valid))
     fused = bench(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=valid))

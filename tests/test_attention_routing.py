@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.models import base as mlx_lm_base
 from mlx_lm.models import gpt_oss
 
-from mlx_tandem.kv.attention import attention_route, route_attention
+from mlx_tandem.kv.routing import attention_route, route_attention
 from mlx_tandem.kv.row_cache import RowKVCache
 from mlx_tandem.kv.state_rows import StateRows, probe_routing, rows_model
 from mlx_tandem.models.invariance import row_stable

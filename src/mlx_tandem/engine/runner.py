@@ -7,7 +7,8 @@ Two kinds of forward, and nothing else touches the model:
   * `forward(rows, ids, lengths)`: every row of the cohort, L tokens each
     (ragged rows right-padded).
 Both run a row-stable copy of the model (models/invariance.row_stable: every
-projection pads to the row count from which this BLAS is shape-stable) and
+projection follows its probed RowPlan; `prefill` chunks use block arithmetic,
+fixed by the row's own chunk boundaries) and
 return hidden states; logits are projected only where callers ask, through a
 head padded the same way.
 
@@ -20,20 +21,23 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
+from mlx_tandem.kv.row_cache import RowKVCache
 from mlx_tandem.kv.state_rows import StateRows
 from mlx_tandem.models.graph import MlxLmGraph, Which, bind_graph
-from mlx_tandem.models.invariance import pad_rows, probe_min_rows, row_stable
+from mlx_tandem.models.invariance import BlockMode, follow_plan, probe_plan, row_stable
 from mlx_tandem.models.loader import LoadedModel
 
 
 class ModelRunner:
     def __init__(self, model: LoadedModel, batch_invariant: bool = True) -> None:
         self.model = model
+        self.block = BlockMode()  # on while one row's own prefill chunk runs
         if batch_invariant:
-            stable, _ = row_stable(model.model)
+            stable, _ = row_stable(model.model, self.block)
             self.graph: MlxLmGraph = bind_graph(stable)
             width = model.config.get("hidden_size") or stable.model.embed_tokens.weight.shape[-1]
-            self.graph.head = pad_rows(self.graph.head, probe_min_rows(self.graph.head, int(width)))
+            head_plan = probe_plan(self.graph.head, int(width))
+            self.graph.head = follow_plan(self.graph.head, head_plan, self.block)
         else:
             self.graph = model.graph
 
@@ -49,13 +53,27 @@ class ModelRunner:
         return StateRows.blank(self.model.model, n)
 
     def prefill(self, rows: StateRows, ids: list[int], chunk: int) -> mx.array:
-        """Run a single row's tokens through `rows` (1 row) in chunks; return last hidden (1, 1, D)."""
+        """Run a single row's tokens through `rows` (1 row) in chunks; return last hidden (1, 1, D).
+
+        Each chunk is one call whose shape depends only on this row's chunk boundaries, so
+        it may use block arithmetic (one large projection call, fused attention): the row
+        gets the same arithmetic whenever and with whatever else it is prefilled.
+        """
         assert rows.row_count == 1 and ids
         hidden = None
-        for start in range(0, len(ids), chunk):
-            piece = mx.array(ids[start : start + chunk], dtype=mx.int32)[None]
-            hidden = self.graph.forward_hidden(piece, rows.layers)
-            mx.eval(hidden[:, -1:], *rows.arrays())
+        caches = [c for c in rows.leaves() if isinstance(c, RowKVCache)]
+        self.block.on = True
+        for c in caches:
+            c.block = True
+        try:
+            for start in range(0, len(ids), chunk):
+                piece = mx.array(ids[start : start + chunk], dtype=mx.int32)[None]
+                hidden = self.graph.forward_hidden(piece, rows.layers)
+                mx.eval(hidden[:, -1:], *rows.arrays())
+        finally:
+            self.block.on = False
+            for c in caches:
+                c.block = False
         assert hidden is not None
         return hidden[:, -1:]
 

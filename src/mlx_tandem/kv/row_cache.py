@@ -11,7 +11,8 @@ that of the full-attention path.
 The cache speaks mlx-lm's cache protocol as the model files use it: `offset`
 (per-row positions, read for RoPE before the update), `make_mask`, and
 `update_and_fetch`; plus `attend` (see kv/attention.py) so attention runs
-with the batch-invariant arithmetic. Ends are host-side ints: the engine
+with the batch-invariant arithmetic, or — while `block` is set on a one-row
+cache running its own prefill chunk — with fused attention. Ends are host-side ints: the engine
 always knows them, so no step needs a device-to-host sync.
 
 Oracle: tests/test_row_cache.py (a row's attention alone == in a batch ==
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlx_tandem.kv.attention import KEY_CHUNK, invariant_attention
+from mlx_tandem.kv.attention import KEY_CHUNK, block_attention, invariant_attention
 
 PAGE = 256  # capacity grows in whole pages
 SPAN = KEY_CHUNK  # attention reads key columns in whole chunks
@@ -38,7 +39,9 @@ class RowKVCache:
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.ends: list[int] = []
-        self._valid: mx.array | None = None  # mask of the forward in flight
+        # True while this (one-row) cache runs its own prefill chunk: attention may then use
+        # fused kernels, whose shape is fixed by that row's chunk boundaries alone
+        self.block = False
 
     # --- the mlx-lm cache protocol -------------------------------------------------
     @property
@@ -79,6 +82,9 @@ class RowKVCache:
     def attend(self, queries, keys, values, scale: float, mask) -> mx.array:
         if not isinstance(mask, mx.array):
             raise ValueError("RowKVCache.attend needs the array mask from make_mask")
+        if self.block:
+            assert len(self.ends) == 1, "block attention is for one row's own prefill"
+            return block_attention(queries, keys, values, scale, mask)
         return invariant_attention(queries, keys, values, scale, mask)
 
     @property

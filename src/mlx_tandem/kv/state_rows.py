@@ -29,7 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
-from mlx_tandem.kv.attention import attention_route, route_attention
+from mlx_tandem.kv.routing import attention_route, route_attention
 from mlx_tandem.kv.row_cache import RowKVCache
 
 LayerCache = Any  # RowKVCache | ArraysCache | CacheList

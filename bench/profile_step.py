@@ -1,0 +1,163 @@
+"""Where a rows-engine decode step spends its time, per batch size (plain decoding, no drafter).
+
+    python bench/profile_step.py [--model smollm2-135m] [--batches 1 4 8 16] [--steps 20]
+
+Per B it reports, in ms per step:
+  * step      — EngineCore.step() as the engine runs it (one host read per step);
+  * forward   — the target forward (embeddings, layers, norm), evaluated on its own;
+  * attention — the share of `forward` spent in the batch-invariant attention (each layer's
+                attention evaluated on its own, in a separate pass);
+  * padding   — forward with batch invariance on minus off (projections' row padding and the
+                invariant attention's fixed shapes cost this much);
+  * logits    — the LM head over the verified slots;
+  * verify    — sampling/acceptance including its host read;
+  * host      — the rest of the phased step: building inputs, ends, postprocess, text.
+Phases are measured by evaluating at their boundaries, which removes the overlap the real
+step gets; `step` is the honest total. mlx-lm's batch decode step on the same rows is timed
+the same way (its BatchKVCache, fused attention) for the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+from common import PROMPTS, machine_line
+
+# isort: split
+import mlx.core as mx
+
+from mlx_tandem import SamplingParams
+from mlx_tandem.engine import core as core_module
+from mlx_tandem.engine.config import RuntimeConfig
+from mlx_tandem.engine.core import EngineCore
+from mlx_tandem.kv.row_cache import RowKVCache
+from mlx_tandem.models.loader import load
+
+
+def ready_core(model, B: int, invariant: bool) -> EngineCore:
+    """A core with B rows decoding (prompts prefilled, a few warm-up steps taken)."""
+    core = EngineCore(model, RuntimeConfig.resolve(max_rows=B, batch_invariant=invariant))
+    for i in range(B):
+        prompt = model.encode(PROMPTS[i % len(PROMPTS)])
+        core.submit(prompt, SamplingParams(max_tokens=4000, ignore_eos=True))
+    while len(core.running) < B:
+        core.step()
+    for _ in range(3):
+        core.step()
+    return core
+
+
+class Timer:
+    """Wraps callables so each call is evaluated and its seconds added to a named bucket."""
+
+    def __init__(self) -> None:
+        self.total: dict[str, float] = {}
+
+    def wrap(self, name: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            mx.eval(out)
+            self.total[name] = self.total.get(name, 0.0) + time.perf_counter() - start
+            return out
+
+        return timed
+
+
+def step_ms(core: EngineCore, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        core.step()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def phases(core: EngineCore, steps: int) -> dict[str, float]:
+    timer = Timer()
+    runner = core.runner
+    forward, logits, verify = runner.forward, runner.logits, core_module.verify
+    runner.forward = timer.wrap("forward", forward)
+    runner.logits = timer.wrap("logits", logits)
+    core_module.verify = timer.wrap("verify", verify)
+    start = time.perf_counter()
+    try:
+        for _ in range(steps):
+            core.step()
+    finally:
+        runner.forward, runner.logits, core_module.verify = forward, logits, verify
+    wall = time.perf_counter() - start
+    out = {k: 1000 * v / steps for k, v in timer.total.items()}
+    out["host"] = 1000 * wall / steps - sum(out.values())
+    return out
+
+
+def attention_ms(core: EngineCore, steps: int) -> float:
+    timer = Timer()
+    attend = RowKVCache.attend
+    RowKVCache.attend = timer.wrap("attention", attend)
+    try:
+        for _ in range(steps):
+            core.step()
+    finally:
+        RowKVCache.attend = attend
+    return 1000 * timer.total.get("attention", 0.0) / steps
+
+
+def mlx_lm_step_ms(model, B: int, steps: int) -> float:
+    """mlx-lm's batched decode step (BatchKVCache, fused attention) over B left-padded prompts."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    prompts = [model.encode(PROMPTS[i % len(PROMPTS)]) for i in range(B)]
+    width = max(len(p) for p in prompts)
+    padding = [width - len(p) for p in prompts]
+    ids = mx.array([[0] * pad + p for p, pad in zip(prompts, padding, strict=True)])
+    from mlx_lm.models.cache import BatchKVCache
+
+    cache = [BatchKVCache(padding) for _ in make_prompt_cache(model.model)]
+    logits = model.model(ids, cache=cache)
+    token = mx.argmax(logits[:, -1], axis=-1)[:, None]
+    mx.eval(token)
+    times = []
+    for _ in range(steps + 3):
+        start = time.perf_counter()
+        logits = model.model(token, cache=cache)
+        token = mx.argmax(logits[:, -1], axis=-1)[:, None]
+        token.tolist()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times[3:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16])
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+    model = load(args.model, dtype=args.dtype, progress=False)
+    print(machine_line(f"rows-engine step profile, {model.name} ({model.dtype})"))
+    cols = ("B", "step", "mlx-lm", "ratio", "forward", "attention", "padding", "logits",
+            "verify", "host")
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for B in args.batches:
+        core = ready_core(model, B, invariant=True)
+        total = step_ms(core, args.steps)
+        split = phases(core, args.steps)
+        attn = attention_ms(core, max(3, args.steps // 4))
+        loose = ready_core(model, B, invariant=False)
+        padding = split["forward"] - phases(loose, args.steps)["forward"]
+        theirs = mlx_lm_step_ms(model, B, args.steps)
+        row = [B, total, theirs, theirs / total, split["forward"], attn, padding,
+               split["logits"], split["verify"], split["host"]]
+        print("| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in row)
+              + " |", flush=True)
+    print("(ms per decode step; ratio = mlx-lm step / tandem step, > 1 means tandem is faster)")
+
+
+if __name__ == "__main__":
+    main()

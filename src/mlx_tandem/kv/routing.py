@@ -1,0 +1,120 @@
+"""Per-layer attention routing for the rows engine's model copy (no process-wide patch).
+
+mlx-lm's attention modules call `scaled_dot_product_attention(q, k, v, cache=...,
+scale=..., mask=...)`, a global of their model file bound to
+`mlx_lm.models.base.scaled_dot_product_attention`. `route_attention(model)`
+returns a structural copy of the model (sharing every array) in which each such
+module gets its own subclass whose `__call__` is the same code over a globals
+dict where that name is the layer's `AttentionRoute`. The route binds the
+arguments by name and hands them to `cache.attend`. Nothing process-wide
+changes: mlx-lm's modules, their classes and the original model are untouched,
+so the plain path stays bit-identical to mlx-lm. Whether every attention layer
+really routes is checked by a probe forward (kv/state_rows.rows_model).
+
+Oracle: tests/test_attention_routing.py (every layer routes, a layer that does
+not is refused by name, mlx-lm untouched).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import types
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import base as mlx_lm_base
+
+SDPA_NAME = "scaled_dot_product_attention"
+_SDPA = mlx_lm_base.scaled_dot_product_attention
+_SDPA_SIGNATURE = inspect.signature(_SDPA)
+
+
+class AttentionRoute:
+    """One attention layer's `scaled_dot_product_attention` in the rows engine's model copy.
+
+    Arguments are bound by name against mlx-lm's signature, so positional and
+    keyword call styles read the same `cache`, `scale`, `mask` and `sinks`.
+    """
+
+    def __init__(self, layer: str) -> None:
+        self.layer = layer
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> mx.array:
+        bound = _SDPA_SIGNATURE.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        self.calls += 1
+        if a["sinks"] is not None:
+            raise ValueError(
+                f"{self.layer} uses attention sinks (as gpt_oss does); mlx-tandem's row caches "
+                "do not support attention sinks"
+            )
+        attend = getattr(a["cache"], "attend", None)
+        if attend is None:  # the copy runs only on row caches; anything else would be inexact
+            raise ValueError(
+                f"{self.layer} got a {type(a['cache']).__name__} cache; the rows engine's model "
+                "copy runs only on row caches"
+            )
+        return attend(a["queries"], a["keys"], a["values"], scale=a["scale"], mask=a["mask"])
+
+
+def _routes_through_sdpa(fn: object) -> bool:
+    """Whether fn's own code reads mlx-lm's attention function as a global name."""
+    return (
+        isinstance(fn, types.FunctionType)
+        and SDPA_NAME in fn.__code__.co_names
+        and fn.__globals__.get(SDPA_NAME) is _SDPA
+    )
+
+
+def _routed_class(cls: type, route: AttentionRoute) -> type:
+    """A subclass of cls whose `__call__` resolves the attention function to `route`."""
+    fn = cls.__call__
+    call = types.FunctionType(
+        fn.__code__, {**fn.__globals__, SDPA_NAME: route}, fn.__name__, fn.__defaults__,
+        fn.__closure__,
+    )
+    call.__kwdefaults__ = fn.__kwdefaults__
+    call.__qualname__ = fn.__qualname__
+    return type(
+        cls.__name__,
+        (cls,),
+        {"__call__": call, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+         "attention_route": route},
+    )
+
+
+def attention_route(module: nn.Module) -> AttentionRoute | None:
+    """The route of a module of a `route_attention` copy (None for every other module)."""
+    return type(module).__dict__.get("attention_route")
+
+
+def route_attention(model: nn.Module) -> nn.Module:
+    """A structural copy of `model` whose attention modules call their cache's `attend`.
+
+    Every module is shallow-copied (arrays are shared; children are replaced in
+    the copy, never mutated in `model`); a module whose class's `__call__` reads
+    mlx-lm's `scaled_dot_product_attention` gets a per-layer routed subclass.
+    Modules that compute attention any other way are left as they are: the
+    probe forward in `kv.state_rows.rows_model` finds and refuses them.
+    """
+
+    def rebuild(module: nn.Module, path: str) -> nn.Module:
+        out = copy.copy(module)
+        if _routes_through_sdpa(type(module).__call__):
+            out.__class__ = _routed_class(type(module), AttentionRoute(path))
+        for key, value in module.items():
+            where = f"{path}.{key}" if path else key
+            if isinstance(value, nn.Module):
+                out[key] = rebuild(value, where)
+            elif isinstance(value, list) and any(isinstance(v, nn.Module) for v in value):
+                out[key] = [
+                    rebuild(v, f"{where}.{i}") if isinstance(v, nn.Module) else v
+                    for i, v in enumerate(value)
+                ]
+        return out
+
+    return rebuild(model, "")
