@@ -24,8 +24,11 @@ async handles need no thread).
 from __future__ import annotations
 
 import atexit
+import ctypes
+import ctypes.util
 import logging
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -135,6 +138,7 @@ class Engine:
             except Exception as err:  # a bug or a device error: nobody may hang on it
                 worked = self._recover(err)
             if not worked and not self._stop.is_set():
+                release_memory()
                 self._wake.wait()
                 self._wake.clear()
         self._drain_inbox()
@@ -179,6 +183,25 @@ class Engine:
         finally:
             self._recovering = False
         return True
+
+
+def release_memory() -> None:
+    """Idle: return MLX's cached buffers, and the C heap's free pages, to the OS."""
+    mx.clear_cache()
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)  # glibc keeps freed large blocks mapped otherwise
+
+
+def _libc() -> Any:
+    name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return libc if libc is not None and hasattr(libc, "malloc_trim") else None
+
+
+_LIBC = _libc()
 
 
 def _weak_shutdown(engine: Engine) -> Any:
