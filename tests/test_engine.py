@@ -171,3 +171,19 @@ def test_memory_budget_limits_rows_and_everything_still_finishes(tiny_model):
         peak = max(peak, engine.rows.row_count + len(engine.scheduler.joining))
     assert peak == 2
     assert all(len(h.result().tokens) == 10 for h in handles)
+
+
+def test_a_short_prompt_is_not_held_behind_a_long_prefill(tiny_model):
+    """The long prompt needs 12 chunks; the short one behind it joins and decodes long before."""
+    m = tiny_model("llama")
+    cfg = RuntimeConfig.resolve(environ={}, prefill_chunk=16, prefill_stall_ms=0)
+    engine = EngineCore(m, cfg)
+    long = engine.submit([(i * 7) % 200 + 3 for i in range(190)], SamplingParams(max_tokens=4))
+    engine.step()
+    short = engine.submit([5, 6, 7, 8], SamplingParams(max_tokens=3))
+    for _ in range(4):
+        engine.step()
+    assert short.request.tokens and not long.request.tokens
+    assert long.request.prefilled < 190 - 16
+    engine.run_until_idle()
+    assert short.result().tokens == run_alone(m, [5, 6, 7, 8], SamplingParams(max_tokens=3), cfg)

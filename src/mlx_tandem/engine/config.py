@@ -5,6 +5,7 @@ validated here, before any engine state exists.
 
     TANDEM_MAX_ROWS           rows decoded together (default 16)
     TANDEM_PREFILL_CHUNK      prompt tokens per prefill chunk (default: auto, PrefillPolicy)
+    TANDEM_PREFILL_STALL_MS   how long one step may prefill while rows wait (default 1000)
     TANDEM_MEMORY_BUDGET      KV-cache budget, bytes or with K/M/G suffix (default: auto)
     TANDEM_MAX_QUEUE          waiting requests before submit refuses (default 256)
     TANDEM_BATCH_INVARIANT    1/0: pad forwards so a row's arithmetic never depends on
@@ -51,6 +52,7 @@ def _bool(text: str, name: str) -> bool:
 class RuntimeConfig:
     max_rows: int = 16
     prefill_chunk: int | None = None
+    prefill_stall_ms: int = 1000
     memory_budget: int | None = None
     max_queue: int = 256
     batch_invariant: bool = True
@@ -60,6 +62,8 @@ class RuntimeConfig:
             raise ValueError(f"max_rows must be >= 1, got {self.max_rows}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.prefill_stall_ms < 0:
+            raise ValueError(f"prefill_stall_ms must be >= 0, got {self.prefill_stall_ms}")
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError(f"memory_budget must be positive, got {self.memory_budget}")
         if self.max_queue < 0:

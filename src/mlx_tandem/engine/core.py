@@ -65,11 +65,13 @@ class EngineCore:
         self.depth = depth or FixedDepth(3)
         self.stats = EngineStats()
         budget = self.config.memory_budget or default_budget(model)
-        self.prefill_policy = PrefillPolicy.resolve(model.config, self.config, budget)
+        device = "cpu" if mx.default_device() == mx.cpu else "gpu"
+        self.prefill_policy = PrefillPolicy.resolve(model.config, self.config, budget, device)
         memory = measure_memory(self.runner)
         self.scheduler = Scheduler(self.config.max_rows, budget, memory, self.config.max_queue)
         self.running: list[Request] = []
         self.rows: StateRows = self.runner.empty_rows()
+        self._long_turn = False  # whether a long prompt's chunk goes next (alternation)
 
     # --- requests in and out ----------------------------------------------------------
     def new_request(
@@ -185,28 +187,39 @@ class EngineCore:
 
     # --- joining rows -----------------------------------------------------------------
     def _prefill(self) -> bool:
-        """Prefill joining rows, oldest first, whole chunks only, up to one chunk of tokens.
+        """Prefill joining rows, one unit at a time, while units fit in the stall target.
 
-        A row's chunk boundaries are fixed (multiples of the policy's chunk from
-        its start), so its prefill arithmetic never depends on what else runs.
-        Prompts that fit one chunk are prefilled together in one ragged forward
-        (batch-invariant like every other forward); longer ones chunk by chunk.
+        A unit is one long prompt's next whole chunk (block arithmetic) or a group of
+        short prompts (one chunk each, not started) in one ragged forward (invariant
+        arithmetic), at most a chunk of tokens. Units alternate between the two kinds,
+        so a short prompt never waits for a long one's whole prefill; the first unit
+        always runs, the next only if the last one's time still fits in `stall_s`.
+        Which arithmetic a row gets depends on its prompt alone, never on this schedule.
         """
         chunk = self.prefill_policy.chunk
-        budget, whole, partial = chunk, [], []
-        for request in self.scheduler.joining:
-            remaining = len(request.prompt) - 1 - request.prefilled
-            need = min(chunk, remaining)
-            if (whole or partial) and need > budget:
+        start, last = time.perf_counter(), 0.0
+        worked = False
+        while self.scheduler.joining:
+            if worked and time.perf_counter() - start + last > self.prefill_policy.stall_s:
                 break
-            budget -= need
-            short = request.prefilled == 0 and remaining <= chunk
-            (whole if short else partial).append(request)
-        if whole:
-            self._prefill_together(whole)
-        for request in partial:
-            self._prefill_one_chunk(request)
-        return bool(whole or partial)
+            begin = time.perf_counter()
+            joining = self.scheduler.joining
+            short = [r for r in joining if r.prefilled == 0 and len(r.prompt) - 1 <= chunk]
+            long = [r for r in joining if r not in short]
+            if long and (self._long_turn or not short):
+                self._prefill_one_chunk(long[0])
+                self._long_turn = False
+            else:
+                group, tokens = [short[0]], len(short[0].prompt) - 1
+                for r in short[1:]:
+                    tokens += len(r.prompt) - 1
+                    if tokens > chunk:
+                        break
+                    group.append(r)
+                self._prefill_together(group)
+                self._long_turn = True
+            worked, last = True, time.perf_counter() - begin
+        return worked
 
     def _prefill_together(self, requests: list[Request]) -> None:
         """Prefill prompts that fit one chunk in one forward and join them to the cohort."""

@@ -1,12 +1,23 @@
-"""PrefillPolicy: how many prompt tokens one prefill chunk may hold.
+"""PrefillPolicy: where prompts are cut into chunks, and how many prompt tokens one step runs.
 
-Resolved once per engine from the model config and the runtime config, never
-from the current batch: a row's prefill arithmetic must not depend on what
-else is running. The chunk bounds the activation memory of one chunk
-(attention scores grow with chunk x context) and how long running rows wait
-for a joining row: decode steps interleave with chunks.
+Two separate decisions, because only one of them may touch arithmetic:
+  * `chunk` — a row's chunk boundaries (multiples of `chunk` from its start).
+    They decide the row's prefill arithmetic, so they come from the model
+    config, the device kind and the runtime config only, never from the batch
+    or from measured speed: the same request gets the same chunks alone,
+    batched, and in every run. The size is what one step can afford: the
+    model's forward FLOPs per token against a per-device FLOP allowance (about
+    a second of work on a 2-core CPU), within the memory bound below.
+  * `stall_s` — how long one step may prefill while running rows wait: the
+    engine runs one unit (a chunk) and more only while the last unit's
+    measured time still fits (engine/core.py), so running rows wait about
+    `stall_s` per step whatever the machine. Scheduling only: it never moves
+    a boundary.
+The chunk also bounds the activation memory of one chunk (attention scores grow
+with chunk x context).
 
-Oracle: tests/test_engine.py (chunked prefill on/off gives the same tokens).
+Oracle: tests/test_engine.py (chunked prefill on/off gives the same tokens; a
+short prompt behind a long one is served before the long one's prefill ends).
 """
 
 from __future__ import annotations
@@ -17,25 +28,45 @@ from typing import Any
 from mlx_tandem.engine.config import RuntimeConfig
 
 MIN_CHUNK, MAX_CHUNK, ALIGN = 64, 2048, 64
+CHUNK_FLOPS = {"cpu": 40e9, "gpu": 2e12}  # forward FLOPs one chunk may take, per device kind
+
+
+def flops_per_token(model_config: dict[str, Any]) -> float:
+    """Forward FLOPs of one token through the layers (projections; attention excluded)."""
+    hidden = int(model_config.get("hidden_size", 1024))
+    heads = int(model_config.get("num_attention_heads", 8))
+    head_dim = int(model_config.get("head_dim") or hidden // heads)
+    kv = int(model_config.get("num_key_value_heads") or heads) * head_dim
+    inter = int(model_config.get("intermediate_size", 4 * hidden))
+    layers = int(model_config.get("num_hidden_layers", 1))
+    per_layer = hidden * (heads * head_dim * 2 + 2 * kv) + 3 * hidden * inter
+    return 2.0 * per_layer * layers
 
 
 @dataclass(frozen=True)
 class PrefillPolicy:
     chunk: int
+    stall_s: float = 1.0
 
     @classmethod
     def resolve(
-        cls, model_config: dict[str, Any], runtime: RuntimeConfig, memory_budget: int
+        cls,
+        model_config: dict[str, Any],
+        runtime: RuntimeConfig,
+        memory_budget: int,
+        device: str = "cpu",
     ) -> PrefillPolicy:
+        stall = runtime.prefill_stall_ms / 1000
         if runtime.prefill_chunk is not None:
-            return cls(runtime.prefill_chunk)
+            return cls(runtime.prefill_chunk, stall)
         heads = int(model_config.get("num_attention_heads", 8))
         hidden = int(model_config.get("hidden_size", 1024))
         inter = int(model_config.get("intermediate_size", 4 * hidden))
         context = int(model_config.get("max_position_embeddings", 8192))
         # float32 bytes per chunk token: MLP activations + one layer's scores over a full context
         per_token = 4 * (3 * inter + 4 * hidden + heads * min(context, 8192))
-        # give one chunk at most 1/8 of the budget, then align for stable kernel shapes
-        chunk = memory_budget // 8 // per_token
+        # one chunk: at most 1/8 of the memory budget and the device's FLOP allowance
+        affordable = int(CHUNK_FLOPS[device] / flops_per_token(model_config))
+        chunk = min(memory_budget // 8 // per_token, affordable)
         chunk = max(MIN_CHUNK, min(MAX_CHUNK, chunk // ALIGN * ALIGN))
-        return cls(chunk)
+        return cls(chunk, stall)
