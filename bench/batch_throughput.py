@@ -3,7 +3,8 @@
 Same process, same loaded model, same chat-templated prompts, greedy, N new
 tokens per prompt (EOS ignored on both sides so every row does the same work).
 Engines are built (probes, memory measurement) before any clock starts; the
-timed region is submit -> every request finished.
+timed region is submit -> every request finished; each B reports the median of
+`--repeats` rounds that alternate mlx-lm and the two tandem engines.
 Reports total generated tok/s at B = 1, 4, 8, 16 and the tandem/mlx-lm ratio,
 for the default batch-invariant engine and with TANDEM_BATCH_INVARIANT=0, plus
 the time to first token of a request that joins a busy batch of 8.
@@ -18,9 +19,11 @@ import mlx_tandem  # noqa: F401  (preloads OpenBLAS before anything imports mlx)
 # isort: split
 
 import argparse
+import statistics
 import time
+from collections.abc import Callable
 
-from common import PROMPTS, machine_line, mlx_lm_batch, timed
+from common import PROMPTS, machine_line, mlx_lm_batch
 
 from mlx_tandem import SamplingParams
 from mlx_tandem.engine.config import RuntimeConfig
@@ -53,12 +56,25 @@ def join_ttft(engine: EngineCore, prompts, n: int) -> float:
     return ttft
 
 
+def alternating(runs: dict[str, Callable[[], int]], repeats: int) -> dict[str, float]:
+    """Median tok/s per run over `repeats` rounds that alternate the runs (after one warm-up)."""
+    for run in runs.values():
+        run()
+    rates: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            tokens = run()
+            rates[name].append(tokens / (time.perf_counter() - start))
+    return {name: statistics.median(r) for name, r in rates.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batches", default="1,4,8,16")
     args = ap.parse_args()
     model = load(args.model, dtype=args.dtype, progress=False)
@@ -72,12 +88,13 @@ def main() -> None:
     }
     for b in [int(x) for x in args.batches.split(",")]:
         batch = prompts[:b]
-        t_ref, n_ref = timed(lambda batch=batch: mlx_lm_run(model, batch, args.tokens), args.repeats)
-        t_inv, n_inv = timed(lambda batch=batch: tandem_run(engines[True], batch, args.tokens),
-                             args.repeats)
-        t_off, n_off = timed(lambda batch=batch: tandem_run(engines[False], batch, args.tokens),
-                             args.repeats)
-        ref, inv, off = n_ref / t_ref, n_inv / t_inv, n_off / t_off
+        runs = {
+            "ref": lambda batch=batch: mlx_lm_run(model, batch, args.tokens),
+            "inv": lambda batch=batch: tandem_run(engines[True], batch, args.tokens),
+            "off": lambda batch=batch: tandem_run(engines[False], batch, args.tokens),
+        }
+        rate = alternating(runs, args.repeats)
+        ref, inv, off = rate["ref"], rate["inv"], rate["off"]
         print(f"| {b} | {ref:.1f} | {inv:.1f} | {inv / ref:.2f}x | {off:.1f} | {off / ref:.2f}x |",
               flush=True)
     print(f"\nTTFT of a request joining 8 running rows (tandem): "

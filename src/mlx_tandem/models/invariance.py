@@ -107,7 +107,8 @@ def follow_plan(fn: Fn, plan: RowPlan, block: BlockMode) -> Fn:
         lead, rows = x.shape[:-1], x.size // x.shape[-1]
         flat = x.reshape(rows, x.shape[-1])
         if plan.chunk and rows > plan.chunk and not block.on:
-            y = mx.concatenate([fn(flat[i : i + plan.chunk]) for i in range(0, rows, plan.chunk)])
+            size = -(-rows // -(-rows // plan.chunk))  # even pieces: every size <= chunk is exact
+            y = mx.concatenate([fn(flat[i : i + size]) for i in range(0, rows, size)])
         elif rows < plan.pad_to:
             zeros = mx.zeros((plan.pad_to - rows, x.shape[-1]), x.dtype)
             y = fn(mx.concatenate([flat, zeros]))[:rows]
