@@ -1,4 +1,7 @@
-"""`tandem chat`: an interactive multi-turn chat on stdin/stdout (like mlx_lm.chat)."""
+"""`tandem chat`: an interactive multi-turn chat on stdin/stdout (like mlx_lm.chat).
+
+Oracle: tests/test_cli.py (the CLI's shared flags and one-line errors).
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""`tandem doctor`: device, BLAS in use, a one-second matmul figure, versions."""
+"""`tandem doctor`: device, BLAS in use, a one-second matmul figure, versions.
+
+Oracle: tests/test_cli.py (test_doctor_and_models).
+"""
 
 from __future__ import annotations
 

@@ -3,6 +3,8 @@
 One prompt runs on the plain path (token-for-token mlx-lm's `generate_step`);
 several (`--prompt` repeated, or `--prompts-file`) run together as one batch
 on the rows engine, and `--json` prints one JSON object per prompt.
+
+Oracle: tests/test_cli.py (JSON output; a batch's lines equal each prompt alone).
 """
 
 from __future__ import annotations

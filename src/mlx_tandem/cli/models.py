@@ -1,4 +1,7 @@
-"""`tandem models`: the built-in catalogue, what is fetched and what is prepared."""
+"""`tandem models`: the built-in catalogue, what is fetched and what is prepared.
+
+Oracle: tests/test_cli.py (test_doctor_and_models).
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Flags shared by subcommands (model, dtype, sampling, engine), spelled as mlx_lm spells them.
 
 The sampling flags are derived from SamplingParams' knobs (engine/sampling.py), never
-listed here. Oracle: tests/test_cli.py (flag names and errors), tests/test_server.py
+listed here. Oracle: tests/test_cli.py (flag names and errors), tests/test_serve_cli.py
 (`tandem serve`'s flags equal mlx_lm.server's).
 """
 

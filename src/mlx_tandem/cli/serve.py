@@ -16,8 +16,8 @@ measured acceptance pays for); `--draft-model none` turns it off.
 Checks before anything loads: flag values (JSON of --chat-template-args, sizes, ports,
 every sampling default through SamplingParams).
 
-Oracle: tests/test_server.py (flags and defaults equal mlx_lm.server's own parser's;
-SIGTERM drains a real process).
+Oracle: tests/test_serve_cli.py (flags and defaults equal mlx_lm.server's own parser's;
+SIGTERM drains a real process), tests/test_server_shutdown.py (SIGTERM under load).
 Shutdown: the first SIGINT/SIGTERM stops accepting connections and new requests, lets
 running rows finish for --drain-timeout seconds, then cancels the rest (their streams end
 with finish_reason "abort"); the process exits 0. A second SIGINT forces the exit.

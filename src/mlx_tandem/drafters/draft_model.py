@@ -9,6 +9,9 @@ forward, snapshotting the state after each forward. On commit each row is
 restored from the snapshot after its last accepted draft (attention layers by
 end, recurrent layers by their arrays): never by trimming, so recurrent draft
 models work. Depth 0 still consumes the pending input.
+
+Oracle: tests/test_speculative.py (greedy == plain for self, perturbed, random
+and recurrent draft models; seeded rows alone == batched).
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Build a draft source and depth policy from user settings (CLI flags, server options)."""
+"""Build a draft source and depth policy from user settings (CLI flags, server options).
+
+Oracle: tests/test_cli.py, tests/test_server.py (drafters built from flags).
+"""
 
 from __future__ import annotations
 

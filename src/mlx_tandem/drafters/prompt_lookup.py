@@ -6,6 +6,9 @@ windows (numpy sliding windows); the most recent match wins and the up to k
 tokens that followed it are proposed. No match: zero proposals. Proposals are
 deterministic (q is one-hot). The drafter is stateless beyond each request's
 own token list, so membership changes need no work.
+
+Oracle: tests/test_speculative.py (the latest longest match; greedy and seeded
+sampled output == plain decoding).
 """
 
 from __future__ import annotations

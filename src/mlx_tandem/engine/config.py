@@ -14,6 +14,8 @@ validated here, before any engine state exists.
 There is no compiled-decode switch: the decode step keeps per-row cache bookkeeping
 on the host, and compiling its attention kernel alone measured 0.8x-1.3x
 (bench/compiled_attention.py, docs/BENCHMARKS.md), so it is not used.
+
+Oracle: tests/test_config.py.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ where c is the measured cost of one more drafted-and-verified token relative
 to a plain step. A row at depth 0 is probed with depth 1 every PROBE steps so
 its estimate can recover; every RECALIBRATE steps (and first) all rows take
 a plain step, which measures the current cost of a step without drafts.
+
+Oracle: tests/test_speculative.py (adaptive depth is lossless).
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ how many each row accepted (`commit`).
 `Drafts.q` carries the distribution each proposal was drawn from when the
 drafter samples (None: proposals are deterministic, q is one-hot) — the
 verifier needs it for the rejection rule.
+
+Oracle: tests/test_speculative.py (every drafter through this port is lossless).
 """
 
 from __future__ import annotations

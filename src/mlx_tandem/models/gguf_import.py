@@ -11,6 +11,8 @@ Oracles: tests/test_gguf_import.py checks logits against an mlx-lm model built f
 weights (synthetic GGUFs), repacking against `gguf.quants.dequantize`, and greedy tokens and prompt
 ids against llama.cpp (tests/data/llamacpp_greedy.json; greedy tokens in tests/test_goldens.py);
 bench/perplexity.py checks Gemma 3's ppl.
+
+Oracle: tests/test_gguf_import.py.
 """
 
 from __future__ import annotations

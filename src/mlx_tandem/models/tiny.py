@@ -5,6 +5,8 @@ weights, a byte-level BPE tokenizer with a chat template) and returns its
 path; `load_folder` then loads it through the same path as real models.
 Architectures cover each cache kind the engines handle: `llama` and `qwen3`
 (KVCache), `gemma3_text` (RotatingKVCache sliding layers + full layers).
+
+Oracle: tests/test_graph.py (tiny models of each family bind and run).
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ drafted and accepted per drafter) are read from the engine when scraped, never c
     tandem_time_to_first_token_seconds               histogram (arrival -> first token)
     tandem_inter_token_latency_seconds               histogram (per generated token)
     tandem_spec_drafted_tokens_total{drafter}, tandem_spec_accepted_tokens_total{drafter}
+
+Oracle: tests/test_server.py and tests/test_server_hostile.py (counters after
+requests; every 5xx counted).
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ shaping chat / text-completion bodies and SSE chunks, and releasing rows. Checks
 client that disconnects (stream or not) has its unfinished rows cancelled at once, so
 they leave the engine within one step; a row that errors gives a 500 (JSON) or an
 `error` event (SSE). Engine "cancelled" (server shutdown) is reported as "abort".
+
+Oracle: tests/test_server.py (JSON == SSE; 32 concurrent streams equal each alone).
 """
 
 from __future__ import annotations

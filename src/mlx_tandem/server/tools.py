@@ -8,6 +8,8 @@ between them into `{"name", "arguments"}`. `ToolCallStream` never releases text 
 still be the start of a marker, so a streamed client sees exactly the content a
 non-streamed one does. A call the parser rejects (e.g. cut by max_tokens) is returned as
 plain content rather than dropped.
+
+Oracle: tests/test_server_tools.py (a tool-call round trip, streamed and not).
 """
 
 from __future__ import annotations

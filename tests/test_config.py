@@ -1,0 +1,35 @@
+"""RuntimeConfig: flags over TANDEM_* variables over defaults, every value checked before use."""
+
+import pytest
+
+from mlx_tandem.engine.config import RuntimeConfig, parse_bytes
+
+
+def test_precedence_flag_over_environment_over_default():
+    env = {"TANDEM_MAX_ROWS": "8", "TANDEM_PREFILL_STALL_MS": "250", "TANDEM_MEMORY_BUDGET": "2G"}
+    cfg = RuntimeConfig.resolve(environ=env)
+    assert (cfg.max_rows, cfg.prefill_stall_ms, cfg.memory_budget) == (8, 250, 2 << 30)
+    assert RuntimeConfig.resolve(environ=env, max_rows=3).max_rows == 3
+    assert RuntimeConfig.resolve(environ={}).max_rows == 16
+    assert RuntimeConfig.resolve(environ={"TANDEM_BATCH_INVARIANT": "off"}).batch_invariant is False
+
+
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        ({"TANDEM_MAX_ROWS": "many"}, "TANDEM_MAX_ROWS='many' is not an integer"),
+        ({"TANDEM_MAX_ROWS": "0"}, "max_rows must be >= 1"),
+        ({"TANDEM_PREFILL_STALL_MS": "-1"}, "prefill_stall_ms must be >= 0"),
+        ({"TANDEM_BATCH_INVARIANT": "maybe"}, "expected 1/0"),
+        ({"TANDEM_MEMORY_BUDGET": "lots"}, "not a number of bytes"),
+    ],
+)
+def test_bad_values_are_refused_naming_them(env, needle):
+    with pytest.raises(ValueError, match=needle):
+        RuntimeConfig.resolve(environ=env)
+
+
+def test_parse_bytes():
+    assert parse_bytes("512M") == 512 << 20 and parse_bytes("1.5k") == 1536
+    with pytest.raises(ValueError, match="must be positive"):
+        parse_bytes("0")
