@@ -111,6 +111,21 @@ def test_seeded_sampled_rows_identical_alone_and_batched(target, drafters, name)
         assert alone[0].tokens == batched[i].tokens
 
 
+def test_seeded_rows_with_a_sampling_drafter_are_identical_alone_and_batched_adaptive(
+    target, drafters
+):
+    """Stochastic drafts keep the rejection rule, so their depth must come from the row's own
+    history: with adaptive depth a seeded row's tokens are the same alone and batched."""
+    prompts, _ = prompts_and_params(6, seed=8)
+    params = [SamplingParams(max_tokens=16, temperature=0.8, top_k=30, seed=90 + i)
+              for i in range(len(prompts))]
+    batched, engine = run(target[1], prompts, params, drafters["perturbed"](), AdaptiveDepth(4))
+    assert engine.stats.drafted[engine.drafter.name] > 0
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        alone, _ = run(target[1], [p], [sp], drafters["perturbed"](), AdaptiveDepth(4))
+        assert alone[0].tokens == batched[i].tokens, i
+
+
 def test_seeded_sampling_with_deterministic_drafts_equals_plain_sampling(target, drafters):
     """Prompt lookup drafts are verified by each position's own keyed sample, so a seeded
     row's tokens are plain sampling's at every depth, fixed or adaptive, alone or batched."""

@@ -37,6 +37,7 @@ def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
 
 
 class DraftModelSource:
+    samples = True  # sampled rows draw their drafts from the draft model's distribution
     def __init__(self, model: LoadedModel, chunk: int = 512, batch_invariant: bool = True) -> None:
         self.name = f"draft:{model.name}"
         self.runner = ModelRunner(model, batch_invariant=batch_invariant)

@@ -148,7 +148,8 @@ class EngineCore:
         B = len(self.running)
         if self.drafter is None:
             return Drafts([[]] * B, [None] * B)
-        return self.drafter.draft(self.running, self.depth.depths(self.running))
+        depths = self.depth.depths(self.running, self.drafter.samples)
+        return self.drafter.draft(self.running, depths)
 
     def _forward_and_verify(self, drafts: Drafts) -> list[Verdict]:
         """One target forward over each row's [pending, d1..dk]; keep accepted, rewind the rest."""

@@ -22,13 +22,15 @@ from mlx_tandem.engine.request import Request
 
 PROBE = 8
 RECALIBRATE = 32
+ROW_LOCAL_COST = 0.1  # cost of one drafted token relative to a plain step, when not measured
 
 
 class DepthPolicy(Protocol):
     name: str
 
-    def depths(self, requests: list[Request]) -> list[int]:
-        """Tokens to draft for each row this step."""
+    def depths(self, requests: list[Request], stochastic: bool = False) -> list[int]:
+        """Tokens to draft for each row this step (`stochastic`: the drafter samples
+        sampled rows, so their depth must depend on their own history only)."""
         ...
 
     def observe(
@@ -58,7 +60,7 @@ class FixedDepth:
             raise ValueError(f"num_draft_tokens must be >= 0, got {k}")
         self.k = k
 
-    def depths(self, requests: list[Request]) -> list[int]:
+    def depths(self, requests: list[Request], stochastic: bool = False) -> list[int]:
         return [row_cap(r, self.k) for r in requests]
 
     def observe(self, *args: object) -> None:
@@ -76,8 +78,7 @@ class AdaptiveDepth:
         self.per_token_s = 0.0  # extra seconds per drafted token (draft + verify)
         self.steps = 0
 
-    def _best(self, alpha: float) -> int:
-        c = self.per_token_s / self.plain_s if self.plain_s else 0.1
+    def _best(self, alpha: float, c: float) -> int:
         best, best_rate = 0, 1.0
         for k in range(1, self.k_max + 1):
             expected = (k + 1) if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
@@ -86,14 +87,18 @@ class AdaptiveDepth:
                 best, best_rate = k, rate
         return best
 
-    def depths(self, requests: list[Request]) -> list[int]:
+    def depths(self, requests: list[Request], stochastic: bool = False) -> list[int]:
         self.steps += 1
-        if self.plain_s is None or self.steps % RECALIBRATE == 0:
-            return [0] * len(requests)  # a plain step: measures what a step costs right now
+        measured = self.per_token_s / self.plain_s if self.plain_s else ROW_LOCAL_COST
+        recalibrate = self.plain_s is None or self.steps % RECALIBRATE == 0
         out = []
         for r in requests:
+            row_local = stochastic and not r.params.greedy
+            if recalibrate and not row_local:
+                out.append(0)  # a plain step: measures what a step costs right now
+                continue
             alpha = r.spec_alpha if r.spec_alpha is not None else self.prior
-            k = self._best(alpha)
+            k = self._best(alpha, ROW_LOCAL_COST if row_local else measured)
             if k == 0 and r.stats.generation_tokens % PROBE == PROBE - 1:
                 k = 1
             out.append(row_cap(r, k))

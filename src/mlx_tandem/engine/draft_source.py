@@ -32,6 +32,7 @@ class Drafts:
 
 class DraftSource(Protocol):
     name: str
+    samples: bool  # whether sampled rows get stochastic drafts (q given), not deterministic ones
 
     def prepare_append(self, requests: list[Request]) -> PreparedChange:
         """Make room for joining rows (e.g. prefill their prompts); inert until commit."""
