@@ -12,7 +12,7 @@ from mlx_tandem.drafters.draft_model import DraftModelSource
 from mlx_tandem.drafters.prompt_lookup import PromptLookupSource
 from mlx_tandem.engine.config import RuntimeConfig
 from mlx_tandem.engine.core import EngineCore
-from mlx_tandem.engine.depth import FixedDepth
+from mlx_tandem.engine.depth import AdaptiveDepth, FixedDepth
 from mlx_tandem.engine.generate import decode_steps
 from mlx_tandem.engine.sampling import RowSampler
 
@@ -94,3 +94,39 @@ def test_cli_answers_paris(capsys):
                  "--max-tokens", "12", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and "Paris" in out["text"]
+
+
+GROUNDED = [
+    "What is the capital of Australia, and why isn't it Sydney?",
+    QUESTIONS[2],
+    QUESTIONS[6],
+    "Copy this list twice: apples, pears, plums, apples, pears, plums.",
+]
+
+
+def _sampled(i):
+    return SamplingParams(max_tokens=32, temperature=1.0, seed=1000 + i)
+
+
+def _run_sampled(model, prompts, drafter=None, first=0):
+    engine = EngineCore(model, CFG, drafter=drafter, depth=AdaptiveDepth(4) if drafter else None)
+    handles = []
+    for i, p in enumerate(prompts, start=first):
+        handles.append(engine.submit(p, _sampled(i)))
+        engine.step()
+    engine.run_until_idle()
+    return [h.result().tokens for h in handles]
+
+
+def test_seeded_sampling_under_adaptive_depth_on_smollm2(smollm2):
+    """Adaptive depth (the server's default) never changes a seeded row: with prompt lookup
+    the tokens equal plain sampling, alone and batched; with a sampling draft model they are
+    identical alone and batched."""
+    prompts = [smollm2.encode(q) for q in GROUNDED]
+    plain = [_run_sampled(smollm2, [p], first=i)[0] for i, p in enumerate(prompts)]
+    assert _run_sampled(smollm2, prompts, PromptLookupSource()) == plain
+    assert [_run_sampled(smollm2, [p], PromptLookupSource(), first=i)[0]
+            for i, p in enumerate(prompts)] == plain
+    batched = _run_sampled(smollm2, prompts, DraftModelSource(smollm2, chunk=64))
+    assert batched == [_run_sampled(smollm2, [p], DraftModelSource(smollm2, chunk=64), first=i)[0]
+                       for i, p in enumerate(prompts)]
