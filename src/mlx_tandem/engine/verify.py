@@ -91,6 +91,11 @@ def _sampled(
     if K == 0:
         return mx.zeros((n, 0), mx.bool_), mx.zeros((n, 0), mx.uint32), bonus
     d = mx.array([dr + [0] * (K - len(dr)) for dr in drafts], dtype=mx.int32)  # (n, K)
+    # Deterministic drafts: accept while the position's own keyed sample equals the draft, and
+    # emit that sample at the first mismatch — the same token plain sampling draws there.
+    own = bonus[:, :K].astype(mx.int32)
+    if all(qi is None for qi in q):  # prompt lookup: no rejection rule to evaluate
+        return own == d, own, bonus
     one_hot = (mx.arange(V)[None, None] == d[..., None]).astype(mx.float32)
     q_full = mx.stack(
         [
@@ -110,10 +115,7 @@ def _sampled(
     empty = residual.sum(axis=-1, keepdims=True) <= 0  # p == q: the draw is never used
     residual = mx.where(empty, p, residual)
     draws = _draw(sample_keys[:, :K].reshape(-1, 2), mx.log(residual).reshape(-1, V)).reshape(n, K)
-    # Deterministic drafts: accept while the position's own keyed sample equals the draft, and
-    # emit that sample at the first mismatch — the same token plain sampling draws there.
     fixed = mx.array([qi is None for qi in q])[:, None]
-    own = bonus[:, :K].astype(mx.int32)
     accept = mx.where(fixed, own == d, accept_draft(u, p_d, q_d))
     draws = mx.where(fixed, own, draws.astype(mx.int32))
     return accept, draws, bonus
