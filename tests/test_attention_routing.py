@@ -63,9 +63,9 @@ def test_row_caches_attend_through_the_route_in_the_copy(tiny_model):
     attends = []
 
     class Counting(RowKVCache):
-        def attend(self, queries, keys, values, scale, mask):
+        def attend(self, queries, keys, values, scale, mask, block=False):
             attends.append(queries.shape)
-            return super().attend(queries, keys, values, scale, mask)
+            return super().attend(queries, keys, values, scale, mask, block)
 
     caches = [Counting() for _ in m.model.layers]
     for c in caches:

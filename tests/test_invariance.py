@@ -5,11 +5,12 @@ import pytest
 
 from mlx_tandem.kv.attention import (
     GROUP_ROW_CHOICES,
+    BlockMode,
     attention_mismatches,
     invariant_attention,
     stable_group_rows,
 )
-from mlx_tandem.models.invariance import BlockMode, follow_plan, probe_plan
+from mlx_tandem.models.invariance import follow_plan, probe_plan
 
 
 def _projection(tiny_model, name):

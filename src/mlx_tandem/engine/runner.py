@@ -21,10 +21,10 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
-from mlx_tandem.kv.row_cache import RowKVCache
+from mlx_tandem.kv.attention import BlockMode
 from mlx_tandem.kv.state_rows import StateRows
 from mlx_tandem.models.graph import MlxLmGraph, Which, bind_graph
-from mlx_tandem.models.invariance import BlockMode, follow_plan, probe_plan, row_stable
+from mlx_tandem.models.invariance import follow_plan, probe_plan, row_stable
 from mlx_tandem.models.loader import LoadedModel
 
 
@@ -61,10 +61,7 @@ class ModelRunner:
         """
         assert rows.row_count == 1 and ids
         hidden = None
-        caches = [c for c in rows.leaves() if isinstance(c, RowKVCache)]
         self.block.on = True
-        for c in caches:
-            c.block = True
         try:
             for start in range(0, len(ids), chunk):
                 piece = mx.array(ids[start : start + chunk], dtype=mx.int32)[None]
@@ -72,8 +69,6 @@ class ModelRunner:
                 mx.eval(hidden[:, -1:], *rows.arrays())
         finally:
             self.block.on = False
-            for c in caches:
-                c.block = False
         assert hidden is not None
         return hidden[:, -1:]
 

@@ -25,11 +25,21 @@ at a time; the probe's choice is needed: one shared matmul is not exact here).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import mlx.core as mx
 
 GROUP_ROW_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16)  # rows of one score / p.v matmul
 KEY_CHUNK = 256  # `p v` is summed over fixed-size key chunks, in order
+
+
+@dataclass
+class BlockMode:
+    """On while one row's own prefill chunk runs: its shape depends on that row alone, so it
+    may use block arithmetic (fused attention, one projection call of any size). Owned by
+    the runner; read by the rows engine's projections and attention routes."""
+
+    on: bool = False
 
 
 def invariant_attention(

@@ -26,6 +26,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base as mlx_lm_base
 
+from mlx_tandem.kv.attention import BlockMode
+
 SDPA_NAME = "scaled_dot_product_attention"
 _SDPA = mlx_lm_base.scaled_dot_product_attention
 _SDPA_SIGNATURE = inspect.signature(_SDPA)
@@ -38,8 +40,9 @@ class AttentionRoute:
     keyword call styles read the same `cache`, `scale`, `mask` and `sinks`.
     """
 
-    def __init__(self, layer: str) -> None:
+    def __init__(self, layer: str, block: BlockMode) -> None:
         self.layer = layer
+        self.block = block
         self.calls = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> mx.array:
@@ -58,7 +61,10 @@ class AttentionRoute:
                 f"{self.layer} got a {type(a['cache']).__name__} cache; the rows engine's model "
                 "copy runs only on row caches"
             )
-        return attend(a["queries"], a["keys"], a["values"], scale=a["scale"], mask=a["mask"])
+        return attend(
+            a["queries"], a["keys"], a["values"], scale=a["scale"], mask=a["mask"],
+            block=self.block.on,
+        )
 
 
 def _routes_through_sdpa(fn: object) -> bool:
@@ -92,7 +98,7 @@ def attention_route(module: nn.Module) -> AttentionRoute | None:
     return type(module).__dict__.get("attention_route")
 
 
-def route_attention(model: nn.Module) -> nn.Module:
+def route_attention(model: nn.Module, block: BlockMode | None = None) -> nn.Module:
     """A structural copy of `model` whose attention modules call their cache's `attend`.
 
     Every module is shallow-copied (arrays are shared; children are replaced in
@@ -102,10 +108,12 @@ def route_attention(model: nn.Module) -> nn.Module:
     probe forward in `kv.state_rows.rows_model` finds and refuses them.
     """
 
+    block = block or BlockMode()
+
     def rebuild(module: nn.Module, path: str) -> nn.Module:
         out = copy.copy(module)
         if _routes_through_sdpa(type(module).__call__):
-            out.__class__ = _routed_class(type(module), AttentionRoute(path))
+            out.__class__ = _routed_class(type(module), AttentionRoute(path, block))
         for key, value in module.items():
             where = f"{path}.{key}" if path else key
             if isinstance(value, nn.Module):

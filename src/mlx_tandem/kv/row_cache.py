@@ -11,8 +11,8 @@ that of the full-attention path.
 The cache speaks mlx-lm's cache protocol as the model files use it: `offset`
 (per-row positions, read for RoPE before the update), `make_mask`, and
 `update_and_fetch`; plus `attend` (see kv/attention.py) so attention runs
-with the batch-invariant arithmetic, or — while `block` is set on a one-row
-cache running its own prefill chunk — with fused attention. Ends are host-side ints: the engine
+with the batch-invariant arithmetic, or — for a one-row cache running its own
+prefill chunk (`block`, from the runner's BlockMode) — with fused attention. Ends are host-side ints: the engine
 always knows them, so no step needs a device-to-host sync.
 
 Oracle: tests/test_row_cache.py (a row's attention alone == in a batch ==
@@ -39,9 +39,6 @@ class RowKVCache:
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.ends: list[int] = []
-        # True while this (one-row) cache runs its own prefill chunk: attention may then use
-        # fused kernels, whose shape is fixed by that row's chunk boundaries alone
-        self.block = False
 
     # --- the mlx-lm cache protocol -------------------------------------------------
     @property
@@ -79,10 +76,10 @@ class RowKVCache:
         self.ends = [e + L for e in self.ends]
         return self.keys[:, :, :width, :], self.values[:, :, :width, :]
 
-    def attend(self, queries, keys, values, scale: float, mask) -> mx.array:
+    def attend(self, queries, keys, values, scale: float, mask, block: bool = False) -> mx.array:
         if not isinstance(mask, mx.array):
             raise ValueError("RowKVCache.attend needs the array mask from make_mask")
-        if self.block:
+        if block:
             assert len(self.ends) == 1, "block attention is for one row's own prefill"
             return block_attention(queries, keys, values, scale, mask)
         return invariant_attention(queries, keys, values, scale, mask)

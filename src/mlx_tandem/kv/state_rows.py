@@ -10,7 +10,7 @@ gather rows and concatenate, and a snapshot:
   * `CacheList` of either, recursively.
 
 `rows_model(model)` builds the model copy these caches run on: attention routed
-to `RowKVCache.attend` (kv/attention.route_attention), accepted only after a
+to `RowKVCache.attend` (kv/routing.route_attention), accepted only after a
 probe forward shows that every attention layer routes.
 
 Oracle: tests/test_state_rows.py (rows alone vs in a cohort, through append,
@@ -29,6 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
+from mlx_tandem.kv.attention import BlockMode
 from mlx_tandem.kv.routing import attention_route, route_attention
 from mlx_tandem.kv.row_cache import RowKVCache
 
@@ -238,9 +239,9 @@ class _ProbeKV(RowKVCache):
         self.writer = sys._getframe(1).f_locals.get("self")  # the attention module calling us
         return super().update_and_fetch(keys, values)
 
-    def attend(self, queries, keys, values, scale: float, mask) -> mx.array:
+    def attend(self, queries, keys, values, scale: float, mask, block: bool = False) -> mx.array:
         self.attends += 1
-        return super().attend(queries, keys, values, scale, mask)
+        return super().attend(queries, keys, values, scale, mask, block)
 
 
 def probe_routing(model: nn.Module) -> dict[str, int]:
@@ -280,11 +281,11 @@ def probe_routing(model: nn.Module) -> dict[str, int]:
     return calls
 
 
-def rows_model(model: nn.Module) -> nn.Module:
+def rows_model(model: nn.Module, block: BlockMode | None = None) -> nn.Module:
     """The copy of `model` that runs on StateRows: attention routed, verified by a probe.
 
     `model` itself (and mlx-lm's modules) stay untouched.
     """
-    routed = route_attention(model)
+    routed = route_attention(model, block)
     probe_routing(routed)
     return routed

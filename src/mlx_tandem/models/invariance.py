@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_tandem.kv.attention import BlockMode
 from mlx_tandem.kv.state_rows import rows_model
 
 PROBE_ROWS = (*range(1, 33), 40, 48, 64, 96, 128, 144, 160, 192)
@@ -50,13 +51,6 @@ class RowPlan:
 
     pad_to: int = 1  # large-call regime: calls with fewer rows are padded to this many
     chunk: int = 0  # small-call regime (> 0): calls are split into pieces of <= chunk rows
-
-
-@dataclass
-class BlockMode:
-    """Set by the runner while one row's own prefill chunk runs (any call size is exact)."""
-
-    on: bool = False
 
 
 def probe_plan(fn: Fn, in_dims: int, dtype: mx.Dtype = mx.float32) -> RowPlan:
@@ -159,4 +153,4 @@ def row_stable(
                 out[key] = [rebuild(v) if isinstance(v, nn.Module) else v for v in value]
         return out
 
-    return rows_model(rebuild(model)), plans
+    return rows_model(rebuild(model), block), plans
