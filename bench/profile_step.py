@@ -109,14 +109,12 @@ def attention_ms(core: EngineCore, steps: int) -> float:
 
 def mlx_lm_step_ms(model, B: int, steps: int) -> float:
     """mlx-lm's batched decode step (BatchKVCache, fused attention) over B left-padded prompts."""
-    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
     prompts = [model.encode(PROMPTS[i % len(PROMPTS)]) for i in range(B)]
     width = max(len(p) for p in prompts)
     padding = [width - len(p) for p in prompts]
     ids = mx.array([[0] * pad + p for p, pad in zip(prompts, padding, strict=True)])
-    from mlx_lm.models.cache import BatchKVCache
-
     cache = [BatchKVCache(padding) for _ in make_prompt_cache(model.model)]
     logits = model.model(ids, cache=cache)
     token = mx.argmax(logits[:, -1], axis=-1)[:, None]

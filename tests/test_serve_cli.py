@@ -121,32 +121,24 @@ def test_serve_flag_errors_and_chat_template(tmp_path, capsys):
     assert model.tokenizer.decode(model.encode_messages(hi)) == "[hi]"
 
 
-def test_sigterm_drains_and_exits_zero(tmp_path):
-    folder = make_tiny_model("llama", tmp_path / "m")
+def serve_process(folder, *extra: str) -> tuple[subprocess.Popen, str, str]:
+    """A real `tandem serve` on a free port: the process, its URL and its curl line."""
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mlx_tandem.cli.main",
-            "serve",
-            "--model",
-            str(folder),
-            "--port",
-            "0",
-            "--drain-timeout",
-            "1",
-            "--log-level",
-            "WARNING",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        [sys.executable, "-m", "mlx_tandem.cli.main", "serve", "--model", str(folder),
+         "--port", "0", "--drain-timeout", "1", "--log-level", "WARNING", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
+    banner = proc.stdout.readline()
+    if " on http://127.0.0.1:" not in banner:
+        proc.kill()
+        raise AssertionError(banner + proc.stderr.read())
+    return proc, banner.split(" on ")[1].split()[0], proc.stdout.readline()
+
+
+def test_sigterm_drains_and_exits_zero(tmp_path):
+    proc, url, curl = serve_process(make_tiny_model("llama", tmp_path / "m"))
     try:
-        banner = proc.stdout.readline()
-        assert " on http://127.0.0.1:" in banner, banner + proc.stderr.read()
-        url = banner.split(" on ")[1].split()[0]
-        assert "curl " + url + "/v1/chat/completions" in proc.stdout.readline()
+        assert "curl " + url + "/v1/chat/completions" in curl
         body = {"messages": MSG, "max_tokens": 3000, "stream": True, "logit_bias": NO_EOS}
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as r:
             lines = r.iter_lines()

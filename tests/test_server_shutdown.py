@@ -1,30 +1,18 @@
 """SIGTERM under load: every accepted request finishes or gets an error; none hangs."""
 
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
+from test_serve_cli import serve_process
 from test_server import MSG, NO_EOS, sse_events
 
 from mlx_tandem.models.tiny import make_tiny_model
 
 
-def _serve(folder) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlx_tandem.cli.main", "serve", "--model", str(folder),
-         "--port", "0", "--drain-timeout", "1", "--max-rows", "2", "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    banner = proc.stdout.readline()
-    assert " on http://127.0.0.1:" in banner, banner + proc.stderr.read()
-    return proc, banner.split(" on ")[1].split()[0]
-
-
 def test_sigterm_under_load_ends_every_request(tmp_path):
-    proc, url = _serve(make_tiny_model("llama", tmp_path / "m"))
+    proc, url, _ = serve_process(make_tiny_model("llama", tmp_path / "m"), "--max-rows", "2")
     outcomes: dict[int, str] = {}
     started = threading.Barrier(7)
 
