@@ -84,11 +84,15 @@ class LoadedModel:
         *,
         chat: bool = True,
         template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
     ) -> list[int]:
         use_template = chat and self.tokenizer.has_chat_template
         if use_template:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **(template_kwargs or {}),
             )
         else:
             text = "\n".join(str(m["content"]) for m in messages)

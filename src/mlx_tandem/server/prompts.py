@@ -185,29 +185,18 @@ def template_message(message: S.ChatMessage) -> dict[str, Any]:
     return out
 
 
-def render_chat(
-    tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[str, Any], generation: bool
-) -> list[int]:
-    """Token ids of a conversation, as LoadedModel.encode_messages builds them."""
-    if not tokenizer.has_chat_template:
-        text = "\n".join(str(m["content"]) for m in messages)
-        return list(tokenizer.encode(text, add_special_tokens=True))
-    text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=generation, **kwargs
-    )
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
 async def chat_prompt(
     state: ServerState, workers: PromptWorkers, body: S.ChatCompletionRequest
 ) -> list[int]:
     messages = [template_message(m) for m in body.messages]
     kwargs, generation = template_kwargs(state, body)
-    tokenizer = state.model.tokenizer
+    model = state.model
 
     def job() -> list[int]:
         try:
-            return render_chat(tokenizer, messages, kwargs, generation)
+            return model.encode_messages(
+                messages, template_kwargs=kwargs, add_generation_prompt=generation
+            )
         except PromptTimeout:
             raise
         except jinja2.TemplateError as err:  # the template's own words (raise_exception too)
