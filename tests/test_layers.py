@@ -14,6 +14,7 @@ LAYERS = {
     "models": 2,
     "engine": 3,
     "drafters": 4,
+    "lab": 5,  # trains drafters: uses models and engine-free features
     "mlx_tandem": 5,  # the package's public API (__init__)
     "server": 5,
     "cli": 6,

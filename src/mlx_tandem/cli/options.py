@@ -120,7 +120,9 @@ def add_draft_flags(p: argparse.ArgumentParser) -> None:
         "--draft-model",
         default=None,
         help="speculative decoding: a draft model (folder, .gguf, catalogue name) "
-        "sharing the target's tokenizer, or 'ngram' for prompt lookup",
+        "sharing the target's tokenizer, 'ngram' for prompt lookup, or 'assistant' "
+        "(the target's assistant drafter, shipped or from `tandem distill`; "
+        "'assistant:sample' drafts sampled rows stochastically), or an assistant folder",
     )
     p.add_argument(
         "--num-draft-tokens",
@@ -156,4 +158,18 @@ def template_kwargs(text: str | None) -> dict:
         raise ValueError(f"--chat-template-config is not valid JSON: {err}") from None
     if not isinstance(value, dict):
         raise ValueError("--chat-template-config must be a JSON object")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value

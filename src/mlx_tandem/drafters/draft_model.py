@@ -49,7 +49,7 @@ class DraftModelSource:
         self._drafts: list[list[int]] = []
         self._depth = 0
 
-    def prepare_append(self, requests: list[Request]) -> PreparedChange:
+    def prepare_append(self, requests: list[Request], hidden: mx.array) -> PreparedChange:
         parts = []
         for r in requests:  # the drafter sees the same prompt, minus the pending last token
             row = self.runner.blank_rows(1)
@@ -68,7 +68,7 @@ class DraftModelSource:
         self.rows.filter_rows(keep)
         self.pending_last = [self.pending_last[i] for i in keep]
 
-    def draft(self, requests: list[Request], depths: list[int]) -> Drafts:
+    def draft(self, requests: list[Request], depths: list[int], target: StateRows) -> Drafts:
         depth = max(depths, default=0)
         self._history, self._depth = [], depth
         feeds = [
@@ -104,7 +104,7 @@ class DraftModelSource:
         ]
         return Drafts(tokens=self._drafts, q=q_rows)
 
-    def commit(self, accepted: list[int]) -> None:
+    def commit(self, accepted: list[int], hidden: mx.array) -> None:
         depth = self._depth
         choice = [min(a, max(0, depth - 1)) for a in accepted]
         if any(c != len(self._history) - 1 for c in choice):

@@ -5,12 +5,19 @@ Oracle: tests/test_cli.py, tests/test_server.py (drafters built from flags).
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from mlx_tandem.drafters.assistant import MODES, AssistantSource
 from mlx_tandem.drafters.draft_model import DraftModelSource, check_compatible
 from mlx_tandem.drafters.prompt_lookup import PromptLookupSource
 from mlx_tandem.engine.config import RuntimeConfig
 from mlx_tandem.engine.depth import AdaptiveDepth, DepthPolicy, FixedDepth
 from mlx_tandem.engine.draft_source import DraftSource
+from mlx_tandem.models.assistant import is_assistant_folder, load_assistant
+from mlx_tandem.models.catalogue import tandem_home
 from mlx_tandem.models.loader import LoadedModel, load
+
+SHIPPED = Path(__file__).resolve().parents[1] / "assistants"
 
 DEPTHS = ("fixed", "adaptive")
 
@@ -18,9 +25,15 @@ DEPTHS = ("fixed", "adaptive")
 def build_drafter(
     spec: str, target: LoadedModel, config: RuntimeConfig, dtype: str = "auto"
 ) -> DraftSource:
-    """'ngram' -> prompt lookup; anything else is a model (folder, .gguf, catalogue name)."""
+    """'ngram' -> prompt lookup; 'assistant[:MODE]' -> the target's assistant (shipped or
+    trained here); an assistant folder[:MODE]; anything else is a draft model (folder,
+    .gguf, catalogue name)."""
     if spec == "ngram":
         return PromptLookupSource()
+    base, _, mode = spec.partition(":")
+    if base == "assistant" or is_assistant_folder(Path(base).expanduser()):
+        folder = find_assistant(target) if base == "assistant" else Path(base).expanduser()
+        return AssistantSource(load_assistant(folder), target, mode or DEFAULT_ASSISTANT_MODE)
     draft = target if spec == target.name else load(spec, dtype=dtype, progress=False)
     check_compatible(target, draft)
     return DraftModelSource(
@@ -37,4 +50,23 @@ def build_depth(kind: str, num_draft_tokens: int) -> DepthPolicy:
         AdaptiveDepth(max(1, num_draft_tokens))
         if kind == "adaptive"
         else FixedDepth(num_draft_tokens)
+    )
+
+
+DEFAULT_ASSISTANT_MODE = "greedy"
+
+
+def assistant_folders(target_name: str) -> list[Path]:
+    """Where `--draft-model assistant` looks, in order: trained here, then shipped."""
+    return [tandem_home() / "assistants" / target_name, SHIPPED / target_name]
+
+
+def find_assistant(target: LoadedModel) -> Path:
+    for folder in assistant_folders(target.name):
+        if is_assistant_folder(folder):
+            return folder
+    raise ValueError(
+        f"no assistant drafter for {target.name!r} (looked in "
+        f"{', '.join(str(f) for f in assistant_folders(target.name))}); train one with "
+        f"`tandem distill --target {target.name}` (modes: {', '.join(MODES)})"
     )

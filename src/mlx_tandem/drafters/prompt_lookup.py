@@ -13,11 +13,12 @@ sampled output == plain decoding).
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 
 from mlx_tandem.engine.draft_source import Drafts
 from mlx_tandem.engine.request import Request
-from mlx_tandem.kv.state_rows import PreparedChange
+from mlx_tandem.kv.state_rows import PreparedChange, StateRows
 
 
 def lookup(tokens: np.ndarray, k: int, n_min: int = 1, n_max: int = 3) -> list[int]:
@@ -45,13 +46,13 @@ class PromptLookupSource:
             raise ValueError(f"ngram sizes need 1 <= n_min <= n_max, got {n_min}, {n_max}")
         self.n_min, self.n_max = n_min, n_max
 
-    def prepare_append(self, requests: list[Request]) -> PreparedChange:
+    def prepare_append(self, requests: list[Request], hidden: mx.array) -> PreparedChange:
         return PreparedChange(lambda: None, lambda: None)
 
     def filter_rows(self, keep: list[int]) -> None:
         pass
 
-    def draft(self, requests: list[Request], depths: list[int]) -> Drafts:
+    def draft(self, requests: list[Request], depths: list[int], target: StateRows) -> Drafts:
         tokens = [
             lookup(np.asarray(r.prompt + r.tokens, dtype=np.int64), k, self.n_min, self.n_max)
             if k > 0
@@ -60,5 +61,5 @@ class PromptLookupSource:
         ]
         return Drafts(tokens=tokens, q=[None] * len(requests))
 
-    def commit(self, accepted: list[int]) -> None:
+    def commit(self, accepted: list[int], hidden: mx.array) -> None:
         pass

@@ -140,8 +140,8 @@ class EngineCore:
         t0 = time.perf_counter()
         drafts = self._draft()
         t1 = time.perf_counter()
-        verdicts = self._forward_and_verify(drafts)
-        self._postprocess(drafts, verdicts, t1 - t0, time.perf_counter() - t1)
+        verdicts, seeds = self._forward_and_verify(drafts)
+        self._postprocess(drafts, verdicts, seeds, t1 - t0, time.perf_counter() - t1)
         return True
 
     def _draft(self) -> Drafts:
@@ -149,10 +149,11 @@ class EngineCore:
         if self.drafter is None:
             return Drafts([[]] * B, [None] * B)
         depths = self.depth.depths(self.running, self.drafter.samples)
-        return self.drafter.draft(self.running, depths)
+        return self.drafter.draft(self.running, depths, self.rows)
 
-    def _forward_and_verify(self, drafts: Drafts) -> list[Verdict]:
-        """One target forward over each row's [pending, d1..dk]; keep accepted, rewind the rest."""
+    def _forward_and_verify(self, drafts: Drafts) -> tuple[list[Verdict], mx.array]:
+        """One target forward over each row's [pending, d1..dk]; keep accepted, rewind the rest.
+        Also returns each row's final hidden at its last accepted slot (the drafter's seed)."""
         feeds = [[r.pending, *d] for r, d in zip(self.running, drafts.tokens, strict=True)]
         width = max(len(f) for f in feeds)
         ids = mx.array([f + [0] * (width - len(f)) for f in feeds], dtype=mx.int32)
@@ -160,16 +161,22 @@ class EngineCore:
         hidden = self.runner.forward(self.rows, ids, [len(f) for f in feeds])
         verdicts = verify(self.running, self.runner.logits(hidden, "all"), drafts.tokens, drafts.q)
         self.rows.set_ends([e + v.accepted + 1 for e, v in zip(before, verdicts, strict=True)])
-        return verdicts
+        slots = mx.array([v.accepted for v in verdicts], dtype=mx.int32)[:, None, None]
+        return verdicts, mx.take_along_axis(hidden, slots, axis=1)[:, 0]
 
     def _postprocess(
-        self, drafts: Drafts, verdicts: list[Verdict], draft_s: float, verify_s: float
+        self,
+        drafts: Drafts,
+        verdicts: list[Verdict],
+        seeds: mx.array,
+        draft_s: float,
+        verify_s: float,
     ) -> None:
         """Tokens out through each row's finish rule; finished rows leave the cohort."""
         drafted = [len(d) for d in drafts.tokens]
         accepted = [v.accepted for v in verdicts]
         if self.drafter:
-            self.drafter.commit(accepted)
+            self.drafter.commit(accepted, seeds)
             width = max(drafted) + 1
             self.depth.observe(self.running, drafted, accepted, draft_s, verify_s, width)
             self.stats.record(self.drafter.name, drafted, accepted)
@@ -228,14 +235,18 @@ class EngineCore:
             rows = self.runner.blank_rows(len(requests))
             lengths = [len(r.prompt) - 1 for r in requests]
             width = max(lengths)
+            last = self.runner.no_hidden(len(requests))
             if width:
                 ids = [
                     r.prompt[:-1] + [0] * (width - n)
                     for r, n in zip(requests, lengths, strict=True)
                 ]
-                self.runner.forward(rows, mx.array(ids, dtype=mx.int32), lengths)
+                hidden = self.runner.forward(rows, mx.array(ids, dtype=mx.int32), lengths)
                 mx.eval(*rows.arrays())
-            self._join(requests, rows)
+                picks = mx.array([max(0, n - 1) for n in lengths], dtype=mx.int32)[:, None, None]
+                seen = mx.array([n > 0 for n in lengths])[:, None]
+                last = mx.where(seen, mx.take_along_axis(hidden, picks, axis=1)[:, 0], last)
+            self._join(requests, rows, last)
         except Exception as err:  # the cohort is untouched: the rows never joined
             for request in requests:
                 self._fail_joining(request, err)
@@ -247,19 +258,21 @@ class EngineCore:
                 request.joining = self.runner.blank_rows(1)
             todo = request.prompt[request.prefilled : len(request.prompt) - 1]
             piece = todo[: self.prefill_policy.chunk]
+            last = self.runner.no_hidden(1)
             if piece:
-                self.runner.prefill(request.joining, piece, self.prefill_policy.chunk)
+                last = self.runner.prefill(request.joining, piece, self.prefill_policy.chunk)[:, 0]
                 request.prefilled += len(piece)
             if request.prefilled == len(request.prompt) - 1:
-                self._join([request], request.joining)
+                self._join([request], request.joining, last)
         except Exception as err:  # the cohort is untouched: the row never joined
             self._fail_joining(request, err)
 
-    def _join(self, requests: list[Request], rows: StateRows) -> None:
-        """Append prefilled rows (and the drafter's rows for them) to the cohort, all or nothing."""
+    def _join(self, requests: list[Request], rows: StateRows, last: mx.array) -> None:
+        """Append prefilled rows (and the drafter's rows for them) to the cohort, all or nothing.
+        `last` (n, D): each row's final hidden at its last prefilled token."""
         change = self.rows.prepare_append([rows])
         try:
-            companion = self.drafter.prepare_append(requests) if self.drafter else None
+            companion = self.drafter.prepare_append(requests, last) if self.drafter else None
             change.commit()
             if companion is not None:
                 companion.commit()

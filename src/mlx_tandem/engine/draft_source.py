@@ -3,8 +3,14 @@
 A drafter keeps whatever per-row state it needs in the cohort's row order and
 follows the cohort's membership: rows join (`prepare_append` -> commit) and
 leave (`filter_rows`) exactly when the target's rows do. Each step it proposes
-up to `depths[i]` tokens for row i (zero allowed); after verification it learns
-how many each row accepted (`commit`).
+up to `depths[i]` tokens for row i (zero allowed), and may read the target's
+rows (their committed K/V: the assistant drafter's donors); after verification
+it learns how many each row accepted (`commit`).
+
+The engine hands every drafter the target's final hidden state at the last
+position each row fed — the last prefilled prompt token on joining, the last
+accepted verify slot after each step — computed by forwards it runs anyway.
+Drafters that do not read it never evaluate it (MLX is lazy).
 
 `Drafts.q` carries the distribution each proposal was drawn from when the
 drafter samples (None: proposals are deterministic, q is one-hot) — the
@@ -21,7 +27,7 @@ from typing import Protocol
 import mlx.core as mx
 
 from mlx_tandem.engine.request import Request
-from mlx_tandem.kv.state_rows import PreparedChange
+from mlx_tandem.kv.state_rows import PreparedChange, StateRows
 
 
 @dataclass
@@ -34,14 +40,18 @@ class DraftSource(Protocol):
     name: str
     samples: bool  # whether sampled rows get stochastic drafts (q given), not deterministic ones
 
-    def prepare_append(self, requests: list[Request]) -> PreparedChange:
-        """Make room for joining rows (e.g. prefill their prompts); inert until commit."""
+    def prepare_append(self, requests: list[Request], hidden: mx.array) -> PreparedChange:
+        """Make room for joining rows (e.g. prefill their prompts); inert until commit.
+        hidden (n, D): the target's final hidden at each row's last prefilled token."""
         ...
 
     def filter_rows(self, keep: list[int]) -> None: ...
 
-    def draft(self, requests: list[Request], depths: list[int]) -> Drafts: ...
+    def draft(self, requests: list[Request], depths: list[int], target: StateRows) -> Drafts:
+        """Proposals per row; `target` is the target's rows at their committed ends (read-only)."""
+        ...
 
-    def commit(self, accepted: list[int]) -> None:
-        """Row i accepted its first accepted[i] proposals (the target emitted one more)."""
+    def commit(self, accepted: list[int], hidden: mx.array) -> None:
+        """Row i accepted its first accepted[i] proposals (the target emitted one more);
+        hidden (B, D): the target's final hidden at each row's last accepted slot."""
         ...

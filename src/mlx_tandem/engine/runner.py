@@ -32,11 +32,13 @@ class ModelRunner:
     def __init__(self, model: LoadedModel, batch_invariant: bool = True) -> None:
         self.model = model
         self.block = BlockMode()  # on while one row's own prefill chunk runs
+        embed = model.model.model.embed_tokens
+        self.hidden_size = int(model.config.get("hidden_size") or embed.weight.shape[-1])
+        self.hidden_dtype = getattr(embed, "scales", embed.weight).dtype
         if batch_invariant:
             stable, _ = row_stable(model.model, self.block)
             self.graph: MlxLmGraph = bind_graph(stable)
-            width = model.config.get("hidden_size") or stable.model.embed_tokens.weight.shape[-1]
-            head_plan = probe_plan(self.graph.head, int(width))
+            head_plan = probe_plan(self.graph.head, self.hidden_size)
             self.graph.head = follow_plan(self.graph.head, head_plan, self.block)
         else:
             self.graph = model.graph
@@ -51,6 +53,10 @@ class ModelRunner:
     def blank_rows(self, n: int) -> StateRows:
         """n rows holding no tokens yet (joining rows before prefill)."""
         return StateRows.blank(self.model.model, n)
+
+    def no_hidden(self, n: int) -> mx.array:
+        """(n, D) zeros: the hidden handed over for rows that fed no token yet."""
+        return mx.zeros((n, self.hidden_size), self.hidden_dtype)
 
     def prefill(self, rows: StateRows, ids: list[int], chunk: int) -> mx.array:
         """Run a single row's tokens through `rows` (1 row) in chunks; return last hidden (1, 1, D).

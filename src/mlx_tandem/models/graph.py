@@ -73,7 +73,7 @@ def _kv_cache() -> Any:
     return KVCache()
 
 
-def _is_tied(model: nn.Module) -> bool:
+def is_tied(model: nn.Module) -> bool:
     tied = getattr(model, "tie_word_embeddings", None)
     if tied is None:
         tied = getattr(getattr(model, "args", None), "tie_word_embeddings", False)
@@ -88,7 +88,7 @@ def bind_graph(model: nn.Module) -> MlxLmGraph:
             f"model type {getattr(model, 'model_type', type(model).__name__)!r} has no "
             "`.model.embed_tokens` backbone; mlx-tandem cannot split its forward"
         )
-    project = backbone.embed_tokens.as_linear if _is_tied(model) else model.lm_head
+    project = backbone.embed_tokens.as_linear if is_tied(model) else model.lm_head
     cap = getattr(getattr(model, "args", None), "final_logit_softcapping", None)
     if cap:
 

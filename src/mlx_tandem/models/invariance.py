@@ -126,13 +126,10 @@ class RowStableProjection(nn.Module):
         return self._call(x)
 
 
-def row_stable(
-    model: nn.Module, block: BlockMode | None = None
+def stable_projections(
+    model: nn.Module, block: BlockMode
 ) -> tuple[nn.Module, dict[tuple, RowPlan]]:
-    """The rows engine's copy of `model` (projections following their plans, attention routed
-    to the row caches) and the plans. Raises ValueError for a model with an attention layer
-    that does not route."""
-    block = block or BlockMode()
+    """A copy of `model` (sharing every array) whose projections follow their probed plans."""
     plans: dict[tuple, RowPlan] = {}
 
     def plan(m: nn.Module) -> RowPlan:
@@ -153,4 +150,15 @@ def row_stable(
                 out[key] = [rebuild(v) if isinstance(v, nn.Module) else v for v in value]
         return out
 
-    return rows_model(rebuild(model), block), plans
+    return rebuild(model), plans
+
+
+def row_stable(
+    model: nn.Module, block: BlockMode | None = None
+) -> tuple[nn.Module, dict[tuple, RowPlan]]:
+    """The rows engine's copy of `model` (projections following their plans, attention routed
+    to the row caches) and the plans. Raises ValueError for a model with an attention layer
+    that does not route."""
+    block = block or BlockMode()
+    stable, plans = stable_projections(model, block)
+    return rows_model(stable, block), plans

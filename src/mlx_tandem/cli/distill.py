@@ -1,0 +1,81 @@
+"""`tandem distill`: train an assistant drafter for a target (the lab, lab/distill.py).
+
+    tandem distill --target smollm2-135m            # corpus, training, ~45 min here
+    tandem generate --draft-model assistant ...     # then use it
+
+Oracle: tests/test_lab.py (flags reach the lab; the written folder loads as a drafter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from mlx_tandem.cli.options import positive_float, positive_int
+from mlx_tandem.lab.distill import DistillOptions, default_folder, distill
+from mlx_tandem.lab.train import TrainConfig
+from mlx_tandem.models.loader import load
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    defaults, train = DistillOptions(), TrainConfig()
+    p = sub.add_parser(
+        "distill",
+        help="train an assistant drafter for a target (its own answers to ShareGPT prompts)",
+    )
+    p.add_argument("--target", required=True, help="target model (folder, .gguf, catalogue name)")
+    p.add_argument("--out", default=None, help="output folder (default: the assistants home, "
+                   "where `--draft-model assistant` finds it)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--layers", type=positive_int, default=defaults.layers)
+    p.add_argument("--width", type=positive_int, default=defaults.width)
+    p.add_argument("--intermediate", type=positive_int, default=defaults.intermediate)
+    p.add_argument("--vocab", type=positive_int, default=defaults.vocab,
+                   help="draft vocabulary: the target's most frequent reply tokens")
+    p.add_argument("--depth", type=positive_int, default=train.depth,
+                   help="draft steps unrolled in training")
+    p.add_argument("--minutes", type=positive_float, default=train.minutes,
+                   help="training time (resumed runs count earlier time)")
+    p.add_argument("--data-minutes", type=float, default=defaults.data_minutes,
+                   help="time for answering more prompts this run (0: use the corpus as is)")
+    p.add_argument("--prompts", type=positive_int, default=defaults.prompts)
+    p.add_argument("--max-tokens", type=positive_int, default=defaults.max_tokens)
+    p.add_argument("--lr", type=positive_float, default=train.lr)
+    p.add_argument("--batch-tokens", type=positive_int, default=train.batch_tokens)
+    p.add_argument("--seed", type=int, default=train.seed)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    target = load(args.target, dtype=args.dtype)
+    out = Path(args.out).expanduser() if args.out else default_folder(target.name)
+    train = TrainConfig(depth=args.depth, minutes=args.minutes, seed=args.seed, lr=args.lr,
+                        batch_tokens=args.batch_tokens)
+    opts = DistillOptions(
+        layers=args.layers, width=args.width, intermediate=args.intermediate, vocab=args.vocab,
+        prompts=args.prompts, max_tokens=args.max_tokens, data_minutes=args.data_minutes,
+        train=train, command="tandem " + shlex.join(sys.argv[1:]),
+    )
+    bar = tqdm(total=round(args.minutes * 60), unit="s", desc="training", leave=True)
+    shown = {"alpha": "-"}
+
+    def report(entry: dict) -> None:
+        if "alpha" in entry:
+            shown["alpha"] = "/".join(f"{a:.2f}" for a in entry["alpha"])
+            shown["tau"] = f"{entry['tokens_per_forward']:.2f}"
+        bar.n = min(bar.total, round(entry["s"]))
+        bar.set_postfix(step=entry["step"], loss=f"{entry['loss']:.3f}", **shown)
+
+    summary = distill(target, out, opts, say=tqdm.write, report=report)
+    bar.close()
+    alpha = "/".join(f"{a:.2f}" for a in summary["held_out_alpha"])
+    print(
+        f"assistant for {target.name}: held-out acceptance {alpha} per position, "
+        f"{summary['held_out_tokens_per_forward']:.2f} tokens per target forward at depth "
+        f"{args.depth}; written to {out}"
+    )
+    return 0

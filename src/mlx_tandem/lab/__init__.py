@@ -1,0 +1,1 @@
+"""The drafter lab: data, training and evaluation of assistant drafters (`tandem distill`)."""

@@ -1,0 +1,172 @@
+"""`tandem distill`: corpus -> draft vocabulary -> a new assistant -> training -> a folder.
+
+Every stage resumes: the corpus file is appended batch by batch, training
+checkpoints into the output folder, and the final assistant (float16
+safetensors + config.json with the command and seed that made it) is written
+where `--draft-model PATH` (or `--draft-model assistant`, for the default
+folder) loads it.
+
+Oracle: tests/test_lab.py (a tiny target's distill run writes a folder that
+loads, drafts, and beats its untrained start on held-out acceptance).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+
+from mlx_tandem.lab.corpus import (
+    Sample,
+    build_corpus,
+    mtbench_first_turns,
+    read_corpus,
+    sharegpt_prompts,
+    split_prompts,
+)
+from mlx_tandem.lab.train import TrainConfig, Trainer, acceptance, batches, expected_tokens
+from mlx_tandem.models.assistant import (
+    FULL,
+    SLIDING,
+    Assistant,
+    AssistantConfig,
+    save_assistant,
+    target_layer_windows,
+)
+from mlx_tandem.models.catalogue import tandem_home
+from mlx_tandem.models.loader import LoadedModel
+
+
+@dataclass
+class DistillOptions:
+    layers: int = 2
+    width: int = 384
+    intermediate: int = 1024
+    vocab: int = 8192
+    prompts: int = 4000
+    max_tokens: int = 256
+    data_minutes: float = 15.0
+    train: TrainConfig = field(default_factory=TrainConfig)
+    command: str = ""
+
+
+def default_folder(target_name: str) -> Path:
+    return tandem_home() / "assistants" / target_name
+
+
+def draft_vocabulary(samples: list[Sample], size: int, vocab_size: int) -> tuple[list[int], float]:
+    """The `size` most frequent reply tokens (ties by id), sorted; and their reply coverage."""
+    counts = Counter(t for s in samples for t in s.response)
+    top = sorted(counts, key=lambda t: (-counts[t], t))[:size]
+    if len(top) < size:  # pad with the lowest unused ids so the head has a fixed size
+        used = set(top)
+        top += [t for t in range(vocab_size) if t not in used][: size - len(top)]
+    total = sum(counts.values())
+    covered = sum(counts[t] for t in top)
+    return sorted(top), covered / max(total, 1)
+
+
+def new_assistant(target: LoadedModel, opts: DistillOptions, vocab: list[int]) -> Assistant:
+    """An untrained assistant shaped for `target` (query heads and head size of its layers)."""
+    cfg = target.config
+    B = int(cfg["hidden_size"])
+    attn = target.model.layers[-1].self_attn
+    heads = int(cfg.get("num_attention_heads") or attn.n_heads)
+    head_dim = int(cfg.get("head_dim") or B // heads)
+    windows = target_layer_windows(target.model)
+    kinds = [FULL] * opts.layers
+    if any(w is not None for w in windows):  # sliding targets: sliding layers, then one full
+        kinds = [SLIDING] * (opts.layers - 1) + [FULL]
+    gemma = str(cfg.get("model_type", "")).startswith("gemma")
+    scale = float(mx.array(B**0.5, mx.bfloat16).astype(mx.float32).item()) if gemma else 1.0
+    config = AssistantConfig(
+        backbone_hidden_size=B,
+        hidden_size=opts.width,
+        intermediate_size=opts.intermediate,
+        num_attention_heads=heads,
+        head_dim=head_dim,
+        layer_types=kinds,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        norm_offset=1.0 if gemma else 0.0,
+        activation="gelu_approx" if gemma else "silu",
+        q_norm=hasattr(attn, "q_norm"),
+        embed_scale=scale,
+        head="target",
+        draft_vocab_size=len(vocab),
+        target=target.name,
+    )
+    model = Assistant(config)
+    model.draft_vocab = mx.array(vocab, dtype=mx.int32)
+    _scale_init(model)
+    mx.eval(model.parameters())
+    return model
+
+
+def _scale_init(model: Assistant) -> None:
+    """Residual-branch outputs start small so the untrained net is a gentle perturbation."""
+    for layer in model.layers:
+        for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            proj.weight = proj.weight * (1.0 / math.sqrt(2 * len(model.layers)))
+
+
+def distill(
+    target: LoadedModel,
+    out: Path,
+    opts: DistillOptions,
+    *,
+    prompts: list[str] | None = None,
+    say: Callable[[str], None] = print,
+    report: Callable[[dict], None] | None = None,
+) -> dict:
+    """Run every stage for `target`, writing `out`; returns the summary saved with it."""
+    out.mkdir(parents=True, exist_ok=True)
+    corpus_path = out / "corpus.jsonl"
+    if prompts is None:
+        exclude = set(mtbench_first_turns(tandem_home() / "data"))
+        prompts, _ = split_prompts(sharegpt_prompts(exclude), opts.train.seed)
+        prompts = prompts[: opts.prompts]
+    say(f"corpus: {len(read_corpus(corpus_path))} answers so far in {corpus_path}")
+    samples = build_corpus(
+        target, prompts, corpus_path, max_tokens=opts.max_tokens,
+        seconds=opts.data_minutes * 60,
+        progress=lambda n, made: say(f"corpus: {n} prompts answered (+{made} tokens)"),
+    )
+    if len(samples) < 2:
+        raise RuntimeError(f"the corpus at {corpus_path} has {len(samples)} answers; need >= 2")
+    order = list(samples)
+    random.Random(opts.train.seed).shuffle(order)
+    cut = max(1, len(order) // 20)
+    held, train = order[:cut], order[cut:]
+    vocab, coverage = draft_vocabulary(train, opts.vocab, target.graph.vocab_size)
+    say(f"draft vocabulary: {len(vocab)} tokens cover {coverage:.1%} of reply tokens")
+    model = new_assistant(target, opts, vocab)
+    trainer = Trainer(model, target, opts.train, out)
+    if trainer.load_checkpoint():
+        say(f"resuming at step {trainer.step} ({trainer.elapsed / 60:.1f} min done)")
+    held_batches = [(b, trainer.features(b)) for b in batches(held, opts.train, random.Random(1))]
+    start_alpha = acceptance(model, target, trainer.donors, held_batches, opts.train.depth)
+    alpha = trainer.run(train, held_batches, report)
+    tokens = sum(len(s.response) for s in train)
+    summary = {
+        "target": target.name,
+        "command": opts.command,
+        "seed": opts.train.seed,
+        "train_answers": len(train),
+        "train_reply_tokens": tokens,
+        "held_out_answers": len(held),
+        "vocab_coverage": coverage,
+        "steps": trainer.step,
+        "minutes": trainer.elapsed / 60,
+        "held_out_alpha": alpha,
+        "held_out_tokens_per_forward": expected_tokens(alpha),
+        "untrained_alpha": start_alpha,
+        "options": {k: v for k, v in asdict(opts).items() if k != "command"},
+    }
+    model.config.extra = summary
+    save_assistant(model, out)
+    return summary
