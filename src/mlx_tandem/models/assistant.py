@@ -203,14 +203,17 @@ class Assistant(nn.Module):
 
 
 def target_layer_windows(target: nn.Module) -> list[int | None]:
-    """Per target layer: its sliding window, or None for full attention (from its caches)."""
+    """Per target layer that keeps K/V: its sliding window, or None for full attention.
+
+    Read from the target's caches; KV-sharing models (Gemma 4) keep caches only for their
+    first layers, which are then exactly the non-shared layers a donor may be."""
     from mlx_lm.models.cache import KVCache, RotatingKVCache
 
     caches = target.make_cache() if hasattr(target, "make_cache") else [
         KVCache() for _ in target.layers
     ]
-    if len(caches) != len(target.layers):
-        raise ValueError("the assistant drafter needs one K/V cache per target layer")
+    if len(caches) > len(target.layers):
+        raise ValueError("the assistant drafter needs at most one K/V cache per target layer")
     out: list[int | None] = []
     for c in caches:
         if type(c) is RotatingKVCache:
