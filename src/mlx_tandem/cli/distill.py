@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import sys
 from pathlib import Path
 
 from mlx_tandem.cli.options import positive_float, positive_int
@@ -58,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     opts = DistillOptions(
         layers=args.layers, width=args.width, intermediate=args.intermediate, vocab=args.vocab,
         prompts=args.prompts, max_tokens=args.max_tokens, data_minutes=args.data_minutes,
-        train=train, command="tandem " + shlex.join(sys.argv[1:]),
+        train=train, command="tandem " + shlex.join(args.argv),
     )
     bar = tqdm(total=round(args.minutes * 60), unit="s", desc="training", leave=True)
     shown = {"alpha": "-"}

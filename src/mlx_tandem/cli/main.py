@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed, for provenance
     try:
         return int(args.run(args) or 0)
     except KeyboardInterrupt:

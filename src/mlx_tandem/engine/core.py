@@ -179,7 +179,7 @@ class EngineCore:
             self.drafter.commit(accepted, seeds)
             width = max(drafted) + 1
             self.depth.observe(self.running, drafted, accepted, draft_s, verify_s, width)
-            self.stats.record(self.drafter.name, drafted, accepted)
+            self.stats.record(self.drafter.name, drafted, accepted, draft_s, verify_s)
         keep = []
         for i, (request, verdict) in enumerate(zip(self.running, verdicts, strict=True)):
             request.stats.steps += 1
@@ -303,15 +303,52 @@ class EngineCore:
 
 
 class EngineStats:
-    """Engine-wide speculation counters, per drafter."""
+    """Engine-wide speculation counters, per drafter: tokens, per-position acceptance
+    (position j counts rows that drafted it with drafts 1..j-1 all accepted), and the
+    wall time of the draft and the verify forward of each step."""
 
     def __init__(self) -> None:
         self.drafted: dict[str, int] = {}
         self.accepted: dict[str, int] = {}
+        self.reached: dict[str, list[int]] = {}
+        self.hits: dict[str, list[int]] = {}
+        self.steps = 0
+        self.row_steps = 0
+        self.draft_s = 0.0
+        self.verify_s = 0.0
 
-    def record(self, drafter: str, drafted: list[int], accepted: list[int]) -> None:
+    def record(
+        self,
+        drafter: str,
+        drafted: list[int],
+        accepted: list[int],
+        draft_s: float = 0.0,
+        verify_s: float = 0.0,
+    ) -> None:
         self.drafted[drafter] = self.drafted.get(drafter, 0) + sum(drafted)
         self.accepted[drafter] = self.accepted.get(drafter, 0) + sum(accepted)
+        reached = self.reached.setdefault(drafter, [])
+        hits = self.hits.setdefault(drafter, [])
+        for d, a in zip(drafted, accepted, strict=True):
+            for j in range(min(d, a + 1)):
+                if j == len(reached):
+                    reached.append(0)
+                    hits.append(0)
+                reached[j] += 1
+                hits[j] += j < a
+        self.steps += 1
+        self.row_steps += len(drafted)
+        self.draft_s += draft_s
+        self.verify_s += verify_s
 
     def acceptance(self, drafter: str) -> float:
         return self.accepted.get(drafter, 0) / max(1, self.drafted.get(drafter, 0))
+
+    def position_acceptance(self, drafter: str) -> list[float]:
+        """P(draft j accepted | drafts before it accepted), per draft position."""
+        return [h / max(1, r) for h, r in zip(self.hits.get(drafter, []),
+                                              self.reached.get(drafter, []), strict=True)]
+
+    def tokens_per_forward(self, drafter: str) -> float:
+        """Tokens a row emits per target forward (accepted drafts + the target's own)."""
+        return 1.0 + self.accepted.get(drafter, 0) / max(1, self.row_steps)

@@ -47,6 +47,22 @@ ARCHS: dict[str, dict[str, Any]] = {
         "sliding_window": 16,
         "sliding_window_pattern": 2,
     },
+    # Gemma 4: sliding + full layers (full ones with their own head_dim), scale 1.0 + q/k norms;
+    # the real E2B/E4B's KV-shared layers and per-layer inputs are off by default (the rows
+    # engine cannot run KV-shared layers: they attend with no cache of their own)
+    "gemma4_text": {
+        "model_type": "gemma4_text",
+        "global_head_dim": 32,
+        "num_global_key_value_heads": 2,
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "num_kv_shared_layers": 0,
+        "hidden_size_per_layer_input": 0,
+        "vocab_size_per_layer_input": 262,
+        "use_double_wide_mlp": False,
+        "final_logit_softcapping": 30.0,
+        "tie_word_embeddings": True,
+    },
     # hybrid: short-convolution recurrent layers (ArraysCache) + attention layers
     "lfm2": {
         "model_type": "lfm2",
@@ -96,7 +112,7 @@ def make_tiny_model(arch: str, folder: Path, seed: int = 0, **overrides: Any) ->
         k: v * 4.0 if k.endswith("embed_tokens.weight") else v
         for k, v in tree_flatten(model.parameters())
     }
-    if arch == "gemma3_text":
+    if arch in ("gemma3_text", "gemma4_text") and config.get("tie_word_embeddings", True):
         params.pop("lm_head.weight", None)  # tied, as in the real model
     folder.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(folder / "model.safetensors"), params)

