@@ -22,6 +22,7 @@ ATTENTION_LAYERS = {
     "llama": [0, 1, 2, 3],
     "qwen3": [0, 1, 2, 3],
     "gemma3_text": [0, 1, 2, 3],
+    "gemma4_text": [0, 1, 2, 3],
     "lfm2": [1, 3],  # layers 0 and 2 are short convolutions
 }
 IDS = mx.array([[5, 17, 99, 3, 250, 42]])

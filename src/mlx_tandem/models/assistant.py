@@ -49,6 +49,7 @@ class AssistantConfig:
     num_attention_heads: int
     head_dim: int
     layer_types: list[str]
+    global_head_dim: int = 0  # full-attention layers' query head width (0: head_dim; Gemma 4)
     model_type: str = "tandem_assistant"
     rms_norm_eps: float = 1e-6
     norm_offset: float = 0.0  # Gemma's RMSNorm scales by (offset + weight)
@@ -91,9 +92,11 @@ class RMSNorm(nn.Module):
 
 
 class QOnlyAttention(nn.Module):
-    def __init__(self, cfg: AssistantConfig) -> None:
+    def __init__(self, cfg: AssistantConfig, kind: str) -> None:
         super().__init__()
         self.heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
+        if kind == FULL and cfg.global_head_dim:
+            self.head_dim = cfg.global_head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
         if cfg.q_norm:
@@ -125,10 +128,10 @@ class MLP(nn.Module):
 
 
 class AssistantLayer(nn.Module):
-    def __init__(self, cfg: AssistantConfig) -> None:
+    def __init__(self, cfg: AssistantConfig, kind: str) -> None:
         super().__init__()
         D, eps, off = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset
-        self.self_attn = QOnlyAttention(cfg)
+        self.self_attn = QOnlyAttention(cfg, kind)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(D, eps, off)
         self.post_attention_layernorm = RMSNorm(D, eps, off)
@@ -156,7 +159,7 @@ class Assistant(nn.Module):
         self.config = cfg
         B, D = cfg.backbone_hidden_size, cfg.hidden_size
         self.pre_projection = nn.Linear(2 * B, D, bias=False)
-        self.layers = [AssistantLayer(cfg) for _ in cfg.layer_types]
+        self.layers = [AssistantLayer(cfg, kind) for kind in cfg.layer_types]
         self.norm = RMSNorm(D, cfg.rms_norm_eps, cfg.norm_offset)
         self.post_projection = nn.Linear(D, B, bias=False)
         if cfg.head == "dense":
@@ -233,12 +236,18 @@ def bind_target(assistant: Assistant, target: nn.Module) -> list[DonorLayer]:
     type; a "target" head takes the target's head rows for the draft vocabulary."""
     windows = target_layer_windows(target)
     donors = []
-    for kind in assistant.config.layer_types:
+    for j, kind in enumerate(assistant.config.layer_types):
         found = [i for i, w in enumerate(windows) if (w is None) == (kind == FULL)]
         if not found:
             raise ValueError(f"the target has no {kind} layer for the assistant to read")
         i = found[-1]
         attn = target.layers[i].self_attn
+        width, q_width = getattr(attn, "head_dim", None), assistant.layers[j].self_attn.head_dim
+        if width is not None and int(width) != q_width:
+            raise ValueError(
+                f"assistant layer {j} ({kind}) has {q_width}-wide query heads but target "
+                f"layer {i}, whose K/V it reads, has {width}-wide heads"
+            )
         donors.append(DonorLayer(i, attn.rope, float(attn.scale), windows[i]))
     if assistant.config.head == "target":
         assistant.bind_head_rows(target_head_rows(target, assistant.draft_vocab))
@@ -285,6 +294,10 @@ def is_assistant_folder(path: Path) -> bool:
 
 def load_assistant(folder: Path, dtype: mx.Dtype = mx.float32) -> Assistant:
     raw = json.loads((folder / CONFIG_FILE).read_text())
+    if raw.get("model_type") == "gemma4_assistant":  # Google's checkpoints
+        from mlx_tandem.models.gemma4_assistant import load_gemma4_assistant
+
+        return load_gemma4_assistant(folder, dtype)
     if raw.get("model_type") != "tandem_assistant":
         raise ValueError(f"{folder} is not a tandem assistant (model_type {raw.get('model_type')!r})")
     model = Assistant(AssistantConfig(**raw))

@@ -4,7 +4,8 @@
 weights, a byte-level BPE tokenizer with a chat template) and returns its
 path; `load_folder` then loads it through the same path as real models.
 Architectures cover each cache kind the engines handle: `llama` and `qwen3`
-(KVCache), `gemma3_text` (RotatingKVCache sliding layers + full layers).
+(KVCache), `gemma3_text` and `gemma4_text` (RotatingKVCache sliding layers + full
+layers; Gemma 4 with per-layer inputs, optionally KV-shared layers).
 
 Oracle: tests/test_graph.py (tiny models of each family bind and run).
 """
@@ -47,21 +48,19 @@ ARCHS: dict[str, dict[str, Any]] = {
         "sliding_window": 16,
         "sliding_window_pattern": 2,
     },
-    # Gemma 4: sliding + full layers (full ones with their own head_dim), scale 1.0 + q/k norms;
-    # the real E2B/E4B's KV-shared layers and per-layer inputs are off by default (the rows
-    # engine cannot run KV-shared layers: they attend with no cache of their own)
+    # Gemma 4 (E2B-like): sliding + full layers, full ones with their own head width and
+    # partial RoPE, per-layer inputs. No KV-shared layers by default: the rows engine cannot
+    # run them (mlx-lm calls their attention with no cache, so it cannot route to a row
+    # cache). Untied head: a random tied Gemma 4 mostly repeats its last token.
     "gemma4_text": {
         "model_type": "gemma4_text",
         "global_head_dim": 32,
-        "num_global_key_value_heads": 2,
         "sliding_window": 16,
         "layer_types": ["sliding_attention", "full_attention"] * 2,
         "num_kv_shared_layers": 0,
-        "hidden_size_per_layer_input": 0,
-        "vocab_size_per_layer_input": 262,
+        "hidden_size_per_layer_input": 8,
         "use_double_wide_mlp": False,
-        "final_logit_softcapping": 30.0,
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": False,
     },
     # hybrid: short-convolution recurrent layers (ArraysCache) + attention layers
     "lfm2": {
@@ -102,6 +101,8 @@ def make_tiny_model(arch: str, folder: Path, seed: int = 0, **overrides: Any) ->
         raise ValueError(f"unknown tiny arch {arch!r} (known: {', '.join(ARCHS)})")
     tokenizer = tiny_tokenizer()
     config = {**_COMMON, **ARCHS[arch], "vocab_size": tokenizer.get_vocab_size(), **overrides}
+    if arch == "gemma4_text":
+        config.setdefault("vocab_size_per_layer_input", config["vocab_size"])
     config["eos_token_id"] = tokenizer.token_to_id("<eos>")
     config["bos_token_id"] = tokenizer.token_to_id("<bos>")
     model_class, args_class = _get_classes(config)
