@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP server over the batched speculative engine (`tandem serve`).
+"""The HTTP server (OpenAI's API, Anthropic's Messages API) over the batched engine (`tandem serve`).
 
     app.py        create_app(model, engine, options): routes
     state.py      ServerOptions, ServerState (what handlers share; /health's verdict)
@@ -7,11 +7,13 @@
     prompts.py    chat template + tokenizer off the event loop, time-limited
     jobs.py       request -> engine rows: option checks, SamplingParams per choice
     responses.py  engine rows -> JSON bodies and SSE streams (logprobs, usage, tool calls)
+    anthropic.py  Anthropic's Messages API: its request -> the chat request, rows -> its JSON/SSE
     schemas.py    pydantic request/response models (what /openapi.json describes)
     metrics.py    Prometheus text for GET /metrics
     tools.py      tool-call parsing with mlx-lm's parsers
 
-Imports go one way: app -> jobs, prompts, guard, responses -> state -> metrics, tools.
+Imports go one way: app -> anthropic -> jobs, prompts, guard, responses -> state -> metrics,
+tools.
 
 Oracle: tests/test_server.py (a live uvicorn server, the official openai client).
 """

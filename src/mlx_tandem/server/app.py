@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP app (FastAPI) over one running Engine: a drop-in for mlx_lm.server.
 
     POST /v1/chat/completions, /v1/completions   JSON, or SSE `data: {...}` ... `data: [DONE]`
+    POST /v1/messages, /v1/messages/count_tokens  Anthropic's Messages API (server/anthropic.py)
     GET  /v1/models, /v1/models/{id}, /health (and HEAD), /metrics, /openapi.json
     (/chat/completions, /completions, /models: the same without /v1)
 
@@ -31,6 +32,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from mlx_tandem.models.loader import LoadedModel
+from mlx_tandem.server import anthropic
 from mlx_tandem.server import schemas as S
 from mlx_tandem.server.guard import Guard, install_errors
 from mlx_tandem.server.jobs import build_job, refuse_unsupported
@@ -51,7 +53,8 @@ def create_app(model: LoadedModel, engine: Any, options: ServerOptions) -> FastA
         description="OpenAI-compatible API over a batched, speculative MLX engine. " + S.SSE_NOTE,
     )
     app.state.tandem = state
-    install_errors(app)
+    shapes = {anthropic.PREFIX: anthropic.error_response}
+    install_errors(app, shapes)
     err = {"model": S.ErrorResponse}
     codes = {400: err, 401: err, 408: err, 413: err, 429: err, 500: err, 503: err}
     sse = {"text/event-stream": {"schema": {"type": "string", "description": S.SSE_NOTE}}}
@@ -107,6 +110,8 @@ def create_app(model: LoadedModel, engine: Any, options: ServerOptions) -> FastA
     async def metrics() -> Response:
         return Response(state.metrics.render(engine), media_type=CONTENT_TYPE)
 
+    anthropic.install(app, state, workers)
+
     hidden = {"include_in_schema": False}
     app.post("/chat/completions", **hidden)(chat_completions)
     app.post("/completions", **hidden)(completions)
@@ -114,7 +119,7 @@ def create_app(model: LoadedModel, engine: Any, options: ServerOptions) -> FastA
     app.get("/models/{model_id:path}", **hidden)(model_card)
     app.head("/health", **hidden)(health)
 
-    app.add_middleware(Guard, state=state)
+    app.add_middleware(Guard, state=state, shapes=shapes)
     if options.cors_origins:
         app.add_middleware(
             CORSMiddleware,

@@ -1,14 +1,15 @@
 """The HTTP boundary: API key, body size and read deadline, response counting, error shapes.
 
 `Guard` is the ASGI middleware every request passes first (inside CORS): it checks the
-API key (constant-time; `Bearer` in any letter case; every path but /health and CORS
-preflights), reads the whole body before any handler runs — 413 past `max_body_bytes`
+API key (constant-time; `Authorization: Bearer` in any letter case, or Anthropic's
+`x-api-key`; every path but /health and CORS preflights), reads the whole body before any handler runs — 413 past `max_body_bytes`
 (declared or counted as it arrives), 408 when it has not all arrived within
 `body_timeout_s` — and counts every response by endpoint and code for /metrics. An
 exception escaping a handler becomes a 500 in OpenAI's error shape *here*, inside the
 counting, so every 5xx is in /metrics; its message names no internals (the traceback
 goes to the log). `install_errors` gives FastAPI's own errors (validation, 404, 405) the
-same shape, with `param` naming the field.
+same shape, with `param` naming the field. Paths under a prefix in `shapes` get that
+API's error shape instead (/v1/messages: Anthropic's, server/anthropic.py).
 
 Oracle: tests/test_server.py (401/413 and CORS), tests/test_server_hostile.py (408 for a
 slow body, 500s counted, lowercase `bearer`).
@@ -21,6 +22,7 @@ import hmac
 import logging
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -44,7 +46,19 @@ ENDPOINTS = {
     "/health": "/health",
     "/metrics": "/metrics",
     "/openapi.json": "/openapi.json",
+    "/v1/messages": "/v1/messages",
+    "/v1/messages/count_tokens": "/v1/messages/count_tokens",
 }
+
+# path prefix -> how errors under it are shaped (the default: OpenAI's, `error_response`)
+Shapes = dict[str, Callable[[ApiError], JSONResponse]]
+
+
+def shape_for(shapes: Shapes, path: str) -> Callable[[ApiError], JSONResponse]:
+    for prefix, shape in shapes.items():
+        if path == prefix or path.startswith(prefix + "/"):
+            return shape
+    return error_response
 
 
 def endpoint_label(path: str) -> str:
@@ -68,29 +82,33 @@ def _param(loc: tuple[Any, ...]) -> str | None:
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}
 
 
-def install_errors(app: FastAPI) -> None:
+def install_errors(app: FastAPI, shapes: Shapes | None = None) -> None:
+    def shaped(request: Request, err: ApiError) -> JSONResponse:
+        return shape_for(shapes or {}, request.url.path)(err)
+
     @app.exception_handler(ApiError)
-    async def api_error(_: Request, err: ApiError) -> JSONResponse:
-        return error_response(err)
+    async def api_error(request: Request, err: ApiError) -> JSONResponse:
+        return shaped(request, err)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, err: RequestValidationError) -> JSONResponse:
+    async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
         errors = err.errors() or [{"loc": (), "msg": "invalid request"}]
         first = max(errors, key=lambda e: len(e.get("loc", ())))  # the most specific
         if first.get("type") == "json_invalid":
             detail = (first.get("ctx") or {}).get("error", "")
-            return error_response(
-                ApiError(400, f"Invalid JSON in request body: {detail}", code="invalid_json")
+            return shaped(
+                request,
+                ApiError(400, f"Invalid JSON in request body: {detail}", code="invalid_json"),
             )
         param = _param(tuple(first.get("loc", ())))
         message = f"{param}: {first['msg']}" if param else f"request body: {first['msg']}"
-        return error_response(ApiError(400, message, param))
+        return shaped(request, ApiError(400, message, param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if err.status_code < 500 else "server_error"
-        return error_response(
-            ApiError(err.status_code, str(err.detail), None, kind, None, err.headers)
+        return shaped(
+            request, ApiError(err.status_code, str(err.detail), None, kind, None, err.headers)
         )
 
 
@@ -102,8 +120,8 @@ def _bearer(header: bytes) -> bytes | None:
 class Guard:
     """ASGI middleware: API key, body size and deadline, 5xx shaping, response counting."""
 
-    def __init__(self, app: Any, state: ServerState) -> None:
-        self.app, self.state = app, state
+    def __init__(self, app: Any, state: ServerState, shapes: Shapes | None = None) -> None:
+        self.app, self.state, self.shapes = app, state, shapes or {}
         key = state.options.api_key
         self.expected = key.encode() if key else None
 
@@ -121,17 +139,17 @@ class Guard:
             await send(message)
 
         async def refuse(err: ApiError) -> None:
-            await error_response(err)(scope, receive, counted)
+            await shape_for(self.shapes, scope["path"])(err)(scope, receive, counted)
 
         headers = dict(scope["headers"])
         preflight = scope["method"] == "OPTIONS"
         if self.expected is not None and label != "/health" and not preflight:
-            token = _bearer(headers.get(b"authorization", b""))
-            if token is None or not hmac.compare_digest(token, self.expected):
+            given = (_bearer(headers.get(b"authorization", b"")), headers.get(b"x-api-key"))
+            if not any(t is not None and hmac.compare_digest(t, self.expected) for t in given):
                 return await refuse(
                     ApiError(
                         401,
-                        "invalid or missing API key (Authorization: Bearer <key>)",
+                        "invalid or missing API key (Authorization: Bearer <key>, or x-api-key)",
                         code="invalid_api_key",
                         headers={"WWW-Authenticate": "Bearer"},
                     )

@@ -3,7 +3,8 @@
 Owns the life of a request's rows once submitted: reading each row's events (awaited on
 the event loop through `RequestHandle.__aiter__`, which the engine thread wakes: no
 thread waits for a row), folding them into per-choice state,
-shaping chat / text-completion bodies and SSE chunks, and releasing rows. Checks: a
+shaping chat / text-completion bodies and SSE chunks (or another API's, handed to
+`run_job`: server/anthropic.py), and releasing rows. Checks: a
 client that disconnects (stream or not) has its unfinished rows cancelled at once, so
 they leave the engine within one step; a row that errors gives a 500 (JSON) or an
 `error` event (SSE). Engine "cancelled" (server shutdown) is reported as "abort".
@@ -16,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,8 @@ class Row:
     tools: ToolCallStream | None
     text: str = ""
     calls: list[dict[str, Any]] = field(default_factory=list)
+    parts: list[str | dict[str, Any]] = field(default_factory=list)  # text and calls, in order
+    ids: list[int] = field(default_factory=list)  # the tokens generated
     tokens: int = 0
     logprobs: list[Any] = field(default_factory=list)
     finish: str | None = None
@@ -86,6 +89,7 @@ def observe(
         state.metrics.record_tokens(len(out.tokens), gap)
         row.last_token = now
     row.tokens += len(out.tokens)
+    row.ids += out.tokens
     row.logprobs += out.logprobs
     content, calls = out.text, []
     if row.tools is not None:
@@ -95,6 +99,7 @@ def observe(
             content, calls = content + rest, calls + more
     row.text += content
     row.calls += calls
+    row.parts += [content, *calls] if content else calls
     if out.finish_reason is not None:
         reason = out.finish_reason
         if reason == "stop" and row.calls:
@@ -256,11 +261,18 @@ async def stream_body(state: ServerState, job: Job) -> AsyncIterator[str]:
         release(state, job.handles, job.rows)
 
 
-async def run_job(state: ServerState, request: Request, job: Job) -> Response:
+async def run_job(
+    state: ServerState,
+    request: Request,
+    job: Job,
+    body: Callable[[ServerState, Job], dict[str, Any]] = complete_body,
+    events: Callable[[ServerState, Job], AsyncIterator[str]] = stream_body,
+) -> Response:
+    """Serve the job: SSE from `events`, or (the rows read to the end) JSON from `body`."""
     if job.stream:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return StreamingResponse(
-            stream_body(state, job), media_type="text/event-stream", headers=headers
+            events(state, job), media_type="text/event-stream", headers=headers
         )
 
     async def collect() -> None:
@@ -285,4 +297,4 @@ async def run_job(state: ServerState, request: Request, job: Job) -> Response:
     failed = next((r for r in job.rows if r.finish == "error"), None)
     if failed is not None:
         raise ApiError(500, failed.error or "generation failed", None, "server_error")
-    return JSONResponse(complete_body(state, job))
+    return JSONResponse(body(state, job))
