@@ -52,16 +52,19 @@ def mlx_lm_alone(model, prompts: list[list[int]], n: int) -> tuple[float, int, l
     return seconds, total, texts
 
 
-def tandem(model, prompts, n, rows, drafter=None, depth=None, alone=False):
+def tandem(model, prompts, n, rows, drafter=None, depth=None, alone=False, temperature=0.0):
     """(seconds, tokens, token lists, engine) for the prompts, alone in turn or all at once."""
     config = RuntimeConfig.resolve(max_rows=rows)
     engine = EngineCore(model, config, drafter=drafter, depth=depth)
-    params = SamplingParams(max_tokens=n)
     seconds, outs = 0.0, []
     groups = [[p] for p in prompts] if alone else [prompts]
     for group in groups:
         start = time.perf_counter()
-        handles = [engine.submit(p, params) for p in group]
+        handles = [
+            engine.submit(p, SamplingParams(max_tokens=n, temperature=temperature,
+                                            seed=len(outs) + i))
+            for i, p in enumerate(group)
+        ]
         engine.run_until_idle()
         seconds += time.perf_counter() - start
         for h in handles:
@@ -93,6 +96,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=80, help="MT-Bench prompts for B = 4, 16")
     ap.add_argument("--b1-prompts", type=int, default=16, help="of those, run alone at B = 1")
     ap.add_argument("--batches", default="4,16")
+    ap.add_argument("--temperature", type=float, default=0.7,
+                    help="B = 1 sampled comparison of greedy vs sampled drafting (0: skip)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -126,6 +131,23 @@ def main() -> None:
     print(f"     acceptance per position {row['position_acceptance']}, tokens/forward "
           f"{row['tokens_per_forward']}, draft {row['draft_ms_per_step']} ms vs target "
           f"{row['target_ms_per_step']} ms per step")
+    if args.temperature > 0:
+        T, row = args.temperature, {}
+        s_pl, n_pl, plain, _ = tandem(model, b1, args.tokens, 1, alone=True, temperature=T)
+        for mode in ("greedy", "sample"):
+            spec = f"{args.draft_model.partition(':')[0]}:{mode}"
+            s_m, n_m, out, eng = tandem(model, b1, args.tokens, 1,
+                                        build_drafter(spec, model, config),
+                                        build_depth("fixed", args.depth), alone=True,
+                                        temperature=T)
+            same = sum(a == b for a, b in zip(plain, out, strict=True))
+            row[mode] = {"tps": n_m / s_m, "vs_plain": (n_m / s_m) / (n_pl / s_pl),
+                         "identical_to_plain_sampling": same, **spec_line(eng)}
+            print(f"T={T} B=1 {mode:<6} drafts: acceptance {row[mode]['position_acceptance']}, "
+                  f"tokens/forward {row[mode]['tokens_per_forward']}, "
+                  f"{row[mode]['vs_plain']:.2f}x plain sampling; identical to plain sampling "
+                  f"{same}/{len(b1)}")
+        results[f"T{T}"] = row
     for B in (int(b) for b in args.batches.split(",")):
         s_pl, n_pl, plain, _ = tandem(model, prompts, args.tokens, B)
         s_as, n_as, spec, eng = tandem(model, prompts, args.tokens, B, drafter(),
