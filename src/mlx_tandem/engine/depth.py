@@ -2,16 +2,29 @@
 
 `FixedDepth(k)`: k for every row (capped by the request's own limit and by the
 tokens it may still generate).
-`AdaptiveDepth(k_max)`: keeps a per-row acceptance estimate alpha (on the
-Request) and measured step costs, and picks the k in 0..k_max that maximises
-expected tokens per unit time,
-    E(k) = (1 - alpha^(k+1)) / (1 - alpha),   cost(k) = 1 + k * c,
-where c is the measured cost of one more drafted-and-verified token relative
-to a plain step. A row at depth 0 is probed with depth 1 every PROBE steps so
-its estimate can recover; every RECALIBRATE steps (and first) all rows take
-a plain step, which measures the current cost of a step without drafts.
+`AdaptiveDepth(k_max)`: decides from measured goodput — tokens per second, not
+acceptance alone. A step's verify forward is as wide as its widest row, so rows
+whose drafts are deterministic share one depth k per step, chosen to maximise
 
-Oracle: tests/test_speculative.py (adaptive depth is lossless).
+    sum over rows of E_i(k) / cost(k),   E_i(k) = (1 - a_i^(k+1)) / (1 - a_i),
+    cost(k) = 1 + k * c_B,
+
+against k = 0 (plain decoding: every row emits one token at cost 1). a_i is the
+row's acceptance estimate (on the Request), and c_B the measured extra time of
+one more drafted-and-verified token relative to a plain step, kept per batch-size
+bucket B (vLLM's per-batch-size K: a wider verify costs little at B = 1 and
+almost its full width once the batch is compute-bound). Every RECALIBRATE steps
+(and the first time a bucket is seen) all rows take a plain step, which measures
+that bucket's plain step now; when drafting is off every row probes depth 1
+together every PROBE steps, so estimates recover when drafting would pay again.
+
+Rows whose drafts are stochastic (a drafter sampling a sampled row) keep a
+row-local depth — their own acceptance and a fixed cost ratio, never the
+engine's measurements or schedule — because their tokens depend on the depth
+(the rejection rule's draws): a seeded row is then the same alone and batched.
+
+Oracle: tests/test_speculative.py (adaptive depth is lossless; seeded stochastic
+rows identical alone and batched), tests/test_depth.py (the decisions).
 """
 
 from __future__ import annotations
@@ -20,9 +33,20 @@ from typing import Protocol
 
 from mlx_tandem.engine.request import Request
 
-PROBE = 8
+PROBE = 16
 RECALIBRATE = 32
 ROW_LOCAL_COST = 0.1  # cost of one drafted token relative to a plain step, when not measured
+BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+
+
+def size_bucket(rows: int) -> int:
+    """The batch-size bucket whose costs a step of `rows` rows uses."""
+    return next((b for b in BUCKETS if rows <= b), BUCKETS[-1] * 2)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens emitted by a row drafting k tokens with per-token acceptance alpha."""
+    return float(k + 1) if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
 class DepthPolicy(Protocol):
@@ -67,6 +91,14 @@ class FixedDepth:
         """A fixed depth learns nothing."""
 
 
+class StepCosts:
+    """Measured seconds for one batch-size bucket (exponentially smoothed)."""
+
+    def __init__(self) -> None:
+        self.plain_s: float | None = None  # a verify with no drafts
+        self.per_token_s = 0.0  # extra seconds per drafted token (draft + verify)
+
+
 class AdaptiveDepth:
     name = "adaptive"
 
@@ -74,34 +106,42 @@ class AdaptiveDepth:
         if k_max < 1:
             raise ValueError(f"adaptive depth needs num_draft_tokens >= 1, got {k_max}")
         self.k_max, self.prior, self.smoothing = k_max, prior, smoothing
-        self.plain_s: float | None = None  # seconds of a verify with no drafts
-        self.per_token_s = 0.0  # extra seconds per drafted token (draft + verify)
+        self.costs: dict[int, StepCosts] = {}
         self.steps = 0
 
-    def _best(self, alpha: float, c: float) -> int:
-        best, best_rate = 0, 1.0
+    def _alpha(self, r: Request) -> float:
+        return r.spec_alpha if r.spec_alpha is not None else self.prior
+
+    def shared_depth(self, alphas: list[float], c: float) -> int:
+        """The k in 0..k_max maximising the rows' expected tokens per unit of step time."""
+        best, best_rate = 0, float(len(alphas))
         for k in range(1, self.k_max + 1):
-            expected = (k + 1) if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
-            rate = expected / (1 + k * c)
+            rate = sum(expected_tokens(a, k) for a in alphas) / (1 + k * c)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
 
     def depths(self, requests: list[Request], stochastic: bool = False) -> list[int]:
         self.steps += 1
-        measured = self.per_token_s / self.plain_s if self.plain_s else ROW_LOCAL_COST
-        recalibrate = self.plain_s is None or self.steps % RECALIBRATE == 0
-        out = []
-        for r in requests:
-            row_local = stochastic and not r.params.greedy
-            if recalibrate and not row_local:
-                out.append(0)  # a plain step: measures what a step costs right now
-                continue
-            alpha = r.spec_alpha if r.spec_alpha is not None else self.prior
-            k = self._best(alpha, ROW_LOCAL_COST if row_local else measured)
-            if k == 0 and r.stats.generation_tokens % PROBE == PROBE - 1:
+        costs = self.costs.setdefault(size_bucket(len(requests)), StepCosts())
+        local = [stochastic and not r.params.greedy for r in requests]
+        shared = [r for r, own in zip(requests, local, strict=True) if not own]
+        if costs.plain_s is None or self.steps % RECALIBRATE == 0:
+            k = 0  # a plain step: measures what a step of this size costs right now
+        else:
+            k = self.shared_depth([self._alpha(r) for r in shared],
+                                  costs.per_token_s / costs.plain_s)
+            if k == 0 and self.steps % PROBE == 0:
                 k = 1
-            out.append(row_cap(r, k))
+        out = []
+        for r, own in zip(requests, local, strict=True):
+            if own:
+                mine = self.shared_depth([self._alpha(r)], ROW_LOCAL_COST)
+                if mine == 0 and r.stats.generation_tokens % PROBE == PROBE - 1:
+                    mine = 1
+                out.append(row_cap(r, mine))
+            else:
+                out.append(row_cap(r, k))
         return out
 
     def observe(
@@ -118,10 +158,11 @@ class AdaptiveDepth:
             if d:
                 rate = a / d
                 r.spec_alpha = rate if r.spec_alpha is None else (1 - s) * r.spec_alpha + s * rate
+        costs = self.costs.setdefault(size_bucket(len(requests)), StepCosts())
         if width == 1:
-            self.plain_s = (
-                verify_s if self.plain_s is None else (1 - s) * self.plain_s + s * verify_s
+            costs.plain_s = (
+                verify_s if costs.plain_s is None else (1 - s) * costs.plain_s + s * verify_s
             )
-        elif self.plain_s is not None:
-            extra = (draft_s + max(0.0, verify_s - self.plain_s)) / (width - 1)
-            self.per_token_s = (1 - s) * self.per_token_s + s * extra
+        elif costs.plain_s is not None:
+            extra = (draft_s + max(0.0, verify_s - costs.plain_s)) / (width - 1)
+            costs.per_token_s = (1 - s) * costs.per_token_s + s * extra

@@ -1,0 +1,97 @@
+"""AdaptiveDepth decides from measured goodput, per batch-size bucket, one depth per step for
+rows with deterministic drafts; stochastic rows keep a row-local depth."""
+
+import functools
+
+from mlx_tandem import SamplingParams
+from mlx_tandem.engine.depth import PROBE, RECALIBRATE, AdaptiveDepth, size_bucket
+from mlx_tandem.engine.request import new_request
+from mlx_tandem.models.loader import load_folder
+from mlx_tandem.models.tiny import make_tiny_model
+
+
+@functools.cache
+def tiny():
+    import tempfile
+    from pathlib import Path
+
+    return load_folder(make_tiny_model("llama", Path(tempfile.mkdtemp()) / "m"), "tiny")
+
+
+def rows(n, alpha=None, temperature=0.0):
+    out = []
+    for i in range(n):
+        p = SamplingParams(max_tokens=1000, temperature=temperature, seed=i)
+        r = new_request(tiny(), [1, 2, 3], p)
+        r.spec_alpha = alpha
+        out.append(r)
+    return out
+
+
+def calibrate(policy, requests, plain_s, per_token_s, k=3):
+    """Teach the policy one bucket's costs: a plain step, then a step drafting k tokens."""
+    B = len(requests)
+    alphas = [r.spec_alpha for r in requests]
+    policy.observe(requests, [0] * B, [0] * B, 0.0, plain_s, 1)
+    for _ in range(20):
+        policy.observe(requests, [k] * B, [0] * B, 0.0, plain_s + k * per_token_s, k + 1)
+    for r, a in zip(requests, alphas, strict=True):  # keep the rows' acceptance as set
+        r.spec_alpha = a
+
+
+def test_buckets():
+    assert [size_bucket(n) for n in (1, 2, 3, 5, 12, 13, 16, 17, 100)] == [
+        1, 2, 4, 8, 12, 16, 16, 24, 128]
+
+
+def test_cheap_drafts_draft_deep_and_costly_drafts_turn_drafting_off():
+    policy = AdaptiveDepth(4)
+    assert policy.shared_depth([0.8] * 4, c=0.05) == 4
+    assert policy.shared_depth([0.8] * 4, c=1.0) == 0
+    assert policy.shared_depth([0.1] * 4, c=0.1) == 0
+    # one row's high acceptance does not buy a wide verify for fifteen rows that reject
+    assert policy.shared_depth([0.9] + [0.05] * 15, c=0.3) == 0
+
+
+def test_depth_is_decided_per_batch_size_from_measured_costs():
+    policy = AdaptiveDepth(4)
+    one, sixteen = rows(1, alpha=0.7), rows(16, alpha=0.7)
+    calibrate(policy, one, plain_s=0.080, per_token_s=0.004)  # memory-bound: wide is ~free
+    calibrate(policy, sixteen, plain_s=0.170, per_token_s=0.160)  # compute-bound
+    policy.steps = 1
+    assert policy.depths(one)[0] >= 2
+    assert policy.depths(sixteen) == [0] * 16
+
+
+def test_a_new_bucket_and_every_recalibration_take_a_plain_step():
+    policy = AdaptiveDepth(4)
+    eight = rows(8, alpha=0.9)
+    assert policy.depths(eight) == [0] * 8  # bucket 8 not measured yet
+    calibrate(policy, eight, plain_s=0.1, per_token_s=0.001)
+    policy.steps = RECALIBRATE - 1
+    assert policy.depths(eight) == [0] * 8  # step RECALIBRATE
+    assert max(policy.depths(eight)) > 0
+
+
+def test_when_drafting_is_off_all_rows_probe_together():
+    policy = AdaptiveDepth(4)
+    sixteen = rows(16, alpha=0.6)
+    calibrate(policy, sixteen, plain_s=0.170, per_token_s=0.170)
+    seen = []
+    for _ in range(2 * PROBE):
+        seen.append(policy.depths(sixteen))
+    widths = {max(d) for d in seen}
+    assert widths <= {0, 1}
+    assert all(len(set(d)) == 1 for d in seen)  # never a ragged probe
+    assert sum(max(d) for d in seen) <= 2  # probes, not drafting
+
+
+def test_stochastic_rows_ignore_the_engines_measurements():
+    policy = AdaptiveDepth(4)
+    sampled = rows(4, alpha=0.9, temperature=0.8)
+    calibrate(policy, sampled, plain_s=0.1, per_token_s=1.0)  # drafting looks ruinous
+    policy.steps = 1
+    mine = policy.depths(sampled, stochastic=True)
+    fresh = AdaptiveDepth(4)
+    assert mine == fresh.depths(sampled, stochastic=True)  # the row's own history only
+    assert min(mine) > 0
