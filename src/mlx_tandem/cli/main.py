@@ -15,13 +15,13 @@ import mlx_tandem  # noqa: F401  (BLAS preload before any mlx import)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mlx_tandem.cli import chat, distill, doctor, generate, models, serve
+    from mlx_tandem.cli import bench, chat, distill, doctor, generate, models, serve
 
     parser = argparse.ArgumentParser(
         prog="tandem", description="mlx-tandem: batched, lossless speculative LLM inference on MLX"
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (generate, chat, serve, distill, models, doctor):
+    for module in (generate, chat, serve, bench, distill, models, doctor):
         module.register(sub)
     return parser
 
