@@ -20,7 +20,7 @@ from mlx_tandem.engine.depth import AdaptiveDepth, FixedDepth
 from mlx_tandem.lab.distill import DistillOptions, distill
 from mlx_tandem.lab.train import Batch, TrainConfig, target_features, unroll
 from mlx_tandem.models import assistant as assistant_model
-from mlx_tandem.models.assistant import load_assistant
+from mlx_tandem.models.assistant_folder import load_assistant
 from mlx_tandem.models.loader import load_folder
 from mlx_tandem.models.tiny import make_tiny_model
 
@@ -32,11 +32,11 @@ def word_prompts(n, seed):
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randrange(3, 24))) for _ in range(n)]
 
 
-def train_tiny(target, folder, seconds=12.0, layers=2):
+def train_tiny(target, folder, steps=300, layers=2):
     opts = DistillOptions(
         layers=layers, width=64, intermediate=128, vocab=128, max_tokens=40, data_minutes=3,
-        train=TrainConfig(minutes=seconds / 60, batch_tokens=512, eval_every_s=1e9, lr=3e-3,
-                          warmup=10),
+        train=TrainConfig(minutes=10, max_steps=steps, batch_tokens=512, eval_every_s=1e9,
+                          lr=3e-3, warmup=10),
     )
     summary = distill(target, folder, opts, prompts=word_prompts(160, 0), say=lambda s: None)
     return summary
@@ -82,7 +82,7 @@ def test_greedy_speculation_equals_plain(pair, k):
         source = AssistantSource(load_assistant(folder), target)
         got, engine = engine_run(target, prompts, params, source, FixedDepth(k), max_rows)
         assert got == plain
-        assert engine.stats.acceptance("assistant") > 0.15  # a real accept/reject mix
+        assert engine.stats.position_acceptance("assistant")[0] > 0.3  # a real accept/reject mix
 
 
 def lab_reference(target, folder, context, drafts):
@@ -107,7 +107,8 @@ def engine_drafts_after_some_steps(target, folder):
     engine = EngineCore(target, config, AssistantSource(load_assistant(folder), target, "sample"),
                         FixedDepth(3))
     for i, p in enumerate(prompts):
-        engine.submit(p, SamplingParams(max_tokens=40 + i, temperature=1.0, seed=i))
+        engine.submit(p, SamplingParams(max_tokens=40 + i, temperature=1.0, seed=i,
+                                        ignore_eos=True))
     for _ in range(6):  # rows join, accept some drafts and reject others
         engine.step()
     rows = engine.running

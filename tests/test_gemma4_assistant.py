@@ -35,9 +35,8 @@ from mlx_tandem.models.assistant import (
     SLIDING,
     DonorLayer,
     bind_target,
-    is_assistant_folder,
-    load_assistant,
 )
+from mlx_tandem.models.assistant_folder import is_assistant_folder, load_assistant
 from mlx_tandem.models.gemma4_assistant import CentroidHead
 from mlx_tandem.models.loader import LoadedModel, load_folder
 from mlx_tandem.models.tiny import make_tiny_model

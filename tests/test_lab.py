@@ -16,7 +16,7 @@ from mlx_tandem.lab import distill as distill_module
 from mlx_tandem.lab.corpus import Sample, _whole_objects, build_corpus, read_corpus, split_prompts
 from mlx_tandem.lab.distill import DistillOptions, draft_vocabulary, new_assistant
 from mlx_tandem.lab.train import TrainConfig, Trainer, acceptance, batches, expected_tokens
-from mlx_tandem.models.assistant import is_assistant_folder, load_assistant
+from mlx_tandem.models.assistant_folder import is_assistant_folder, load_assistant
 from mlx_tandem.models.loader import load_folder
 from mlx_tandem.models.tiny import make_tiny_model
 
@@ -79,13 +79,13 @@ def training_setup(model, tmp_path, minutes):
     opts = DistillOptions(layers=1, width=32, intermediate=64, vocab=64)
     vocab, _ = draft_vocabulary(samples, 64, model.graph.vocab_size)
     cfg = TrainConfig(minutes=minutes, batch_tokens=256, lr=3e-3, warmup=5, eval_every_s=1e9,
-                      checkpoint_every_s=1e9)
+                      checkpoint_every_s=1e9, max_steps=120)
     return samples, opts, vocab, cfg
 
 
 def test_training_learns_and_resumes_from_its_checkpoint(tiny, tmp_path):
     _, model = tiny
-    samples, opts, vocab, cfg = training_setup(model, tmp_path, minutes=0.1)
+    samples, opts, vocab, cfg = training_setup(model, tmp_path, minutes=10)
     net = new_assistant(model, opts, vocab)
     trainer = Trainer(net, model, cfg, tmp_path / "out")
     held = [(b, trainer.features(b)) for b in batches(samples[:6], cfg, random.Random(1))]
@@ -103,7 +103,7 @@ def test_training_learns_and_resumes_from_its_checkpoint(tiny, tmp_path):
     mine = dict(tree_flatten(net.trainable_parameters()))
     for k, v in tree_flatten(fresh.trainable_parameters()):
         assert mx.array_equal(v, mine[k]).item(), k
-    resumed.cfg.minutes = cfg.minutes + 0.05  # a longer budget continues from step N
+    resumed.cfg.max_steps = cfg.max_steps + 10  # a longer budget continues from step N
     resumed.run(samples[6:], held)
     assert resumed.step > trainer.step
 

@@ -13,7 +13,7 @@ from mlx_tandem.drafters.prompt_lookup import PromptLookupSource
 from mlx_tandem.engine.config import RuntimeConfig
 from mlx_tandem.engine.depth import AdaptiveDepth, DepthPolicy, FixedDepth
 from mlx_tandem.engine.draft_source import DraftSource
-from mlx_tandem.models.assistant import is_assistant_folder, load_assistant
+from mlx_tandem.models.assistant_folder import is_assistant_folder, load_assistant
 from mlx_tandem.models.catalogue import tandem_home
 from mlx_tandem.models.loader import LoadedModel, load
 

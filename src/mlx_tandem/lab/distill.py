@@ -41,6 +41,8 @@ from mlx_tandem.models.assistant import (
 from mlx_tandem.models.catalogue import tandem_home
 from mlx_tandem.models.loader import LoadedModel
 
+FULL_VOCAB_BELOW = 0.995  # reply coverage under which training checks argmaxes on the full head
+
 
 @dataclass
 class DistillOptions:
@@ -98,10 +100,12 @@ def new_assistant(target: LoadedModel, opts: DistillOptions, vocab: list[int]) -
         embed_scale=scale,
         head="target",
         draft_vocab_size=len(vocab),
+        out_norm=True,
         target=target.name,
     )
     model = Assistant(config)
     model.draft_vocab = mx.array(vocab, dtype=mx.int32)
+    model.out_norm.weight = mx.array(target.model.model.norm.weight).astype(mx.float32)
     _scale_init(model)
     mx.eval(model.parameters())
     return model
@@ -146,6 +150,7 @@ def distill(
     say(f"draft vocabulary: {len(vocab)} tokens cover {coverage:.1%} of reply tokens")
     model = new_assistant(target, opts, vocab)
     trainer = Trainer(model, target, opts.train, out)
+    trainer.full_vocab = coverage < FULL_VOCAB_BELOW
     if trainer.load_checkpoint():
         say(f"resuming at step {trainer.step} ({trainer.elapsed / 60:.1f} min done)")
     held_batches = [(b, trainer.features(b)) for b in batches(held, opts.train, random.Random(1))]

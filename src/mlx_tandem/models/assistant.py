@@ -3,10 +3,11 @@
 One draft step (SPEC_REFERENCE §1):
     x  = pre_projection(concat(embed_scale * target_embedding(token), h_prev))
     x  = layers(x)   # attention is Q-only: keys/values are the target's ("donor") K/V
-    n  = norm(x);  h_next = post_projection(n)
+    n  = norm(x);  h_next = post_projection(n)   (then `out_norm`, if configured)
     logits over the draft vocabulary from `head`:
       "target"   the target's own head rows for `draft_vocab` applied to h_next (a trained
-                 tandem assistant: h_next lives where the target's final hidden lives);
+                 tandem assistant: h_next lives where the target's final hidden lives —
+                 after the target's final norm, which `out_norm` starts as a copy of);
       "dense"    its own head over n (Gemma 4 26B/31B: the drafter's tied embedding);
       "centroid" Gemma 4 E2B/E4B's clustered head over n (models/gemma4_assistant.py).
 Each layer's attention takes its RoPE, scale and (unless it has its own) nothing else
@@ -60,6 +61,7 @@ class AssistantConfig:
     embed_scale: float = 1.0  # the target's embedding scale (Gemma: sqrt(B))
     head: str = "target"
     draft_vocab_size: int = 0  # "target" / "dense": rows of the draft vocabulary
+    out_norm: bool = False  # RMSNorm on h_next (backbone width): the target's final-norm space
     target: str = ""  # the target it was made for (a name, for messages)
     extra: dict[str, Any] = field(default_factory=dict)  # provenance: command, seed, data
 
@@ -162,6 +164,8 @@ class Assistant(nn.Module):
         self.layers = [AssistantLayer(cfg, kind) for kind in cfg.layer_types]
         self.norm = RMSNorm(D, cfg.rms_norm_eps, cfg.norm_offset)
         self.post_projection = nn.Linear(D, B, bias=False)
+        if cfg.out_norm:
+            self.out_norm = RMSNorm(B, cfg.rms_norm_eps, cfg.norm_offset)
         if cfg.head == "dense":
             self.lm_head = nn.Linear(D, cfg.draft_vocab_size, bias=False)
         if cfg.head in ("target", "dense"):
@@ -185,6 +189,8 @@ class Assistant(nn.Module):
             x = layer(x, k, v, valid, donor, offset, attend)
         n = self.norm(x)
         h_next = self.post_projection(n)
+        if "out_norm" in self:
+            h_next = self.out_norm(h_next)
         return self.head_logits(n, h_next), h_next
 
     def head_logits(self, normed: mx.array, h_next: mx.array) -> mx.array:
@@ -285,21 +291,9 @@ def save_assistant(model: Assistant, folder: Path, dtype: mx.Dtype = mx.float16)
     (folder / CONFIG_FILE).write_text(json.dumps(asdict(model.config), indent=2) + "\n")
 
 
-def is_assistant_folder(path: Path) -> bool:
-    cfg = path / CONFIG_FILE
-    if not cfg.is_file():
-        return False
-    return json.loads(cfg.read_text()).get("model_type") in ("tandem_assistant", "gemma4_assistant")
-
-
-def load_assistant(folder: Path, dtype: mx.Dtype = mx.float32) -> Assistant:
+def load_tandem_assistant(folder: Path, dtype: mx.Dtype = mx.float32) -> Assistant:
+    """A folder written by `save_assistant` (models/assistant_folder.py dispatches kinds)."""
     raw = json.loads((folder / CONFIG_FILE).read_text())
-    if raw.get("model_type") == "gemma4_assistant":  # Google's checkpoints
-        from mlx_tandem.models.gemma4_assistant import load_gemma4_assistant
-
-        return load_gemma4_assistant(folder, dtype)
-    if raw.get("model_type") != "tandem_assistant":
-        raise ValueError(f"{folder} is not a tandem assistant (model_type {raw.get('model_type')!r})")
     model = Assistant(AssistantConfig(**raw))
     weights = mx.load(str(folder / WEIGHTS_FILE))
     weights = {k: v if k == "draft_vocab" else v.astype(dtype) for k, v in weights.items()}
