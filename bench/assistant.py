@@ -131,6 +131,15 @@ def main() -> None:
     print(f"     acceptance per position {row['position_acceptance']}, tokens/forward "
           f"{row['tokens_per_forward']}, draft {row['draft_ms_per_step']} ms vs target "
           f"{row['target_ms_per_step']} ms per step")
+    s_ad, n_ad, adaptive, eng = tandem(model, b1, args.tokens, 1, drafter(),
+                                       build_depth("adaptive", args.depth), alone=True)
+    same = sum(a == b for a, b in zip(plain, adaptive, strict=True))
+    results["B1_adaptive"] = {"assistant_tps": n_ad / s_ad, "vs_plain": (n_ad / s_ad) / (n_pl / s_pl),
+                              "vs_mlx_lm": (n_ad / s_ad) / (n_ml / s_ml),
+                              "identical_outputs": same, **spec_line(eng)}
+    print(f"     adaptive depth: {n_ad / s_ad:.1f} tok/s, {(n_ad / s_ad) / (n_pl / s_pl):.2f}x plain, "
+          f"{(n_ad / s_ad) / (n_ml / s_ml):.2f}x mlx-lm; tokens/forward "
+          f"{results['B1_adaptive']['tokens_per_forward']}; identical {same}/{len(b1)}")
     if args.temperature > 0:
         T, row = args.temperature, {}
         s_pl, n_pl, plain, _ = tandem(model, b1, args.tokens, 1, alone=True, temperature=T)
