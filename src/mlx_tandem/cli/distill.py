@@ -39,7 +39,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="training time (resumed runs count earlier time)")
     p.add_argument("--data-minutes", type=float, default=defaults.data_minutes,
                    help="time for answering more prompts this run (0: use the corpus as is)")
-    p.add_argument("--prompts", type=positive_int, default=defaults.prompts)
+    p.add_argument("--prompts", type=positive_int, default=defaults.prompts,
+                   help="corpus size: ShareGPT prompts answered by the target (in a fixed order)")
+    p.add_argument("--max-steps", type=int, default=0,
+                   help="also stop training after this many steps (0: the time budget only)")
     p.add_argument("--max-tokens", type=positive_int, default=defaults.max_tokens)
     p.add_argument("--lr", type=positive_float, default=train.lr)
     p.add_argument("--batch-tokens", type=positive_int, default=train.batch_tokens)
@@ -53,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     target = load(args.target, dtype=args.dtype)
     out = Path(args.out).expanduser() if args.out else default_folder(target.name)
     train = TrainConfig(depth=args.depth, minutes=args.minutes, seed=args.seed, lr=args.lr,
-                        batch_tokens=args.batch_tokens)
+                        batch_tokens=args.batch_tokens, max_steps=args.max_steps)
     opts = DistillOptions(
         layers=args.layers, width=args.width, intermediate=args.intermediate, vocab=args.vocab,
         prompts=args.prompts, max_tokens=args.max_tokens, data_minutes=args.data_minutes,

@@ -112,16 +112,22 @@ def build_corpus(
     max_prompt_tokens: int = 256,
     batch: int = 32,
     seconds: float = 600.0,
+    answers: int | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> list[Sample]:
     """Append greedy answers for `prompts` to `path` (JSONL) until done or `seconds` pass.
 
-    Prompts already answered in `path` are skipped (resume). Returns the whole corpus.
+    Prompts longer than `max_prompt_tokens` are skipped; the rest are answered in order, up
+    to `answers` in all. Prompts already answered in `path` are skipped (resume), so the
+    corpus is the first `answers` eligible prompts whatever the interruptions. Returns the
+    whole corpus.
     """
     from mlx_lm.generate import batch_generate
 
     done = {tuple(s.prompt) for s in read_corpus(path)}
     todo = [p for p in encode_prompts(target, prompts, max_prompt_tokens) if tuple(p) not in done]
+    if answers is not None:
+        todo = todo[: max(0, answers - len(done))]
     path.parent.mkdir(parents=True, exist_ok=True)
     start, made = time.perf_counter(), 0
     for i in range(0, len(todo), batch):

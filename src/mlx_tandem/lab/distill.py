@@ -133,10 +133,9 @@ def distill(
     if prompts is None:
         exclude = set(mtbench_first_turns(tandem_home() / "data"))
         prompts, _ = split_prompts(sharegpt_prompts(exclude), opts.train.seed)
-        prompts = prompts[: opts.prompts]
     say(f"corpus: {len(read_corpus(corpus_path))} answers so far in {corpus_path}")
     samples = build_corpus(
-        target, prompts, corpus_path, max_tokens=opts.max_tokens,
+        target, prompts, corpus_path, max_tokens=opts.max_tokens, answers=opts.prompts,
         seconds=opts.data_minutes * 60,
         progress=lambda n, made: say(f"corpus: {n} prompts answered (+{made} tokens)"),
     )
@@ -148,6 +147,7 @@ def distill(
     held, train = order[:cut], order[cut:]
     vocab, coverage = draft_vocabulary(train, opts.vocab, target.graph.vocab_size)
     say(f"draft vocabulary: {len(vocab)} tokens cover {coverage:.1%} of reply tokens")
+    mx.random.seed(opts.train.seed)  # the initial weights
     model = new_assistant(target, opts, vocab)
     trainer = Trainer(model, target, opts.train, out)
     trainer.full_vocab = coverage < FULL_VOCAB_BELOW
