@@ -55,6 +55,7 @@ class AssistantSource:
         self.samples = mode == "sample"
         self.target = target.model
         self.donors = bind_target(assistant, target.model)
+        mx.eval(assistant.parameters())  # nothing lazy may cross into the engine's thread
         self.net, _ = stable_projections(assistant, BlockMode())
         self.embed_scale = cfg.embed_scale
         self.vocab = target.graph.vocab_size
