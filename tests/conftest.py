@@ -74,3 +74,18 @@ def gguf_file() -> Callable[[str], Path]:
         return catalogue.fetch(entry, quiet=True)
 
     return find
+
+
+def run_with_gaps(engine, prompts, params, seed: int, gaps: bool = True) -> list:
+    """Submit each request, then step 0-2 times (seeded) before the next, so rows join (and
+    leave) mid-flight; run to idle and return every request's result."""
+    import random
+
+    rng = random.Random(seed)
+    handles = []
+    for p, sp in zip(prompts, params, strict=True):
+        handles.append(engine.submit(p, sp))
+        for _ in range(rng.randrange(3) if gaps else 0):
+            engine.step()
+    engine.run_until_idle()
+    return [h.result() for h in handles]

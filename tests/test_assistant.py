@@ -18,11 +18,13 @@ from mlx_tandem.engine.config import RuntimeConfig
 from mlx_tandem.engine.core import EngineCore
 from mlx_tandem.engine.depth import AdaptiveDepth, FixedDepth
 from mlx_tandem.lab.distill import DistillOptions, distill
-from mlx_tandem.lab.train import Batch, TrainConfig, target_features, unroll
+from mlx_tandem.lab.train import Batch, Teacher, TrainConfig, target_features, unroll
 from mlx_tandem.models import assistant as assistant_model
 from mlx_tandem.models.assistant_folder import load_assistant
 from mlx_tandem.models.loader import load_folder
 from mlx_tandem.models.tiny import make_tiny_model
+
+from conftest import run_with_gaps
 
 WORDS = ["cat", "dog", "sun", "red", "blue", "tree", "go", "stop", "one", "two"]
 
@@ -53,14 +55,8 @@ def pair(request, tmp_path_factory):
 def engine_run(target, prompts, params, source, depth, max_rows=16, gaps=True):
     config = RuntimeConfig.resolve(environ={}, prefill_chunk=16, max_rows=max_rows)
     engine = EngineCore(target, config, drafter=source, depth=depth)
-    rng = random.Random(len(prompts))
-    handles = []
-    for p, sp in zip(prompts, params, strict=True):
-        handles.append(engine.submit(p, sp))
-        for _ in range(rng.randrange(3) if gaps else 0):
-            engine.step()
-    engine.run_until_idle()
-    return [h.result().tokens for h in handles], engine
+    results = run_with_gaps(engine, prompts, params, len(prompts), gaps)
+    return [r.tokens for r in results], engine
 
 
 def prompts_of(target, n, seed):
@@ -92,7 +88,7 @@ def lab_reference(target, folder, context, drafts):
     donors = assistant_model.bind_target(net, target.model)
     ids = context + drafts[:-1] + [0]
     batch = Batch(mx.array([ids], dtype=mx.int32), mx.array([[True] * len(ids)]))
-    feats = target_features(target, net.draft_vocab, donors, batch)
+    feats = target_features(target, Teacher.of(target, net.draft_vocab), donors, batch)
     logps, _ = unroll(net, target, donors, batch, feats, len(drafts))
     t = len(context) - 2
     out = np.zeros((len(drafts), target.graph.vocab_size), np.float32)

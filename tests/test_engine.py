@@ -9,7 +9,7 @@ from mlx_tandem.engine.config import RuntimeConfig
 from mlx_tandem.engine.core import EngineCore
 from mlx_tandem.engine.scheduler import QueueFull
 
-from conftest import TINY_ARCHS
+from conftest import TINY_ARCHS, run_with_gaps
 
 ENGINE_ARCHS = (*TINY_ARCHS, "lfm2")
 
@@ -51,16 +51,10 @@ def run_alone(model, prompt, params, config):
 
 def run_together(model, prompts, params, config, seed=0):
     """Submit with random gaps so rows join (and, with different max_tokens, leave) mid-flight."""
-    rng = random.Random(seed)
     engine = EngineCore(model, config)
-    handles = []
-    for p, sp in zip(prompts, params, strict=True):
-        handles.append(engine.submit(p, sp))
-        for _ in range(rng.randrange(3)):
-            engine.step()
-    engine.run_until_idle()
+    results = run_with_gaps(engine, prompts, params, seed)
     assert engine.rows.row_count == 0 and engine.scheduler.reserved == 0
-    return [h.result().tokens for h in handles]
+    return [r.tokens for r in results]
 
 
 @pytest.fixture(scope="module")

@@ -41,6 +41,8 @@ from mlx_tandem.models.gemma4_assistant import CentroidHead
 from mlx_tandem.models.loader import LoadedModel, load_folder
 from mlx_tandem.models.tiny import make_tiny_model
 
+from conftest import run_with_gaps
+
 B, D, HEADS, HEAD_DIM, GLOBAL_HEAD_DIM, WINDOW = 64, 32, 4, 16, 32, 16
 CLUSTERS, TOP_K = 20, 4
 TYPES = [SLIDING, SLIDING, SLIDING, FULL]  # the released drafters' layout
@@ -170,14 +172,7 @@ def prompts_of(n: int, seed: int) -> list[list[int]]:
 def engine_run(target, prompts, params, source=None, depth=None, max_rows=8):
     config = RuntimeConfig.resolve(environ={}, prefill_chunk=16, max_rows=max_rows)
     engine = EngineCore(target, config, drafter=source, depth=depth)
-    rng = random.Random(len(prompts))
-    handles = []
-    for p, sp in zip(prompts, params, strict=True):
-        handles.append(engine.submit(p, sp))
-        for _ in range(rng.randrange(3)):
-            engine.step()
-    engine.run_until_idle()
-    return [h.result().tokens for h in handles], engine
+    return [r.tokens for r in run_with_gaps(engine, prompts, params, len(prompts))], engine
 
 
 def test_tiny_gemma4_target_rows_batched_equal_alone(target: LoadedModel) -> None:

@@ -21,6 +21,8 @@ from mlx_tandem.engine.sampling import RowSampler
 from mlx_tandem.models.loader import load_folder
 from mlx_tandem.models.tiny import make_tiny_model
 
+from conftest import run_with_gaps
+
 CFG = RuntimeConfig.resolve(environ={}, prefill_chunk=16)
 
 
@@ -39,15 +41,8 @@ def prompts_and_params(n, seed=0, sampled=True):
 
 
 def run(model, prompts, params, drafter=None, depth=None, gaps=True, config=CFG):
-    rng = random.Random(len(prompts))
     engine = EngineCore(model, config, drafter=drafter, depth=depth)
-    handles = []
-    for p, sp in zip(prompts, params, strict=True):
-        handles.append(engine.submit(p, sp))
-        for _ in range(rng.randrange(3) if gaps else 0):
-            engine.step()
-    engine.run_until_idle()
-    return [h.result() for h in handles], engine
+    return run_with_gaps(engine, prompts, params, len(prompts), gaps), engine
 
 
 def perturbed(folder, scale=0.05):

@@ -83,27 +83,29 @@ class AssistantSource:
         assert self.seed is not None and self.seed.shape[0] == B
         ends = target.ends
         offset = mx.array(ends, dtype=mx.int32)
-        donors = [self._donor_kv(target, d.index, d.window, ends) for d in self.donors]
+        read: dict[tuple[int, int | None], tuple[mx.array, mx.array, mx.array]] = {}
+        for d in self.donors:  # layers reading the same target layer share its K/V and mask
+            if (d.index, d.window) not in read:
+                read[d.index, d.window] = self._donor_kv(target, d.index, d.window, ends)
+        donors = [read[d.index, d.window] for d in self.donors]
         tokens = mx.array([r.pending for r in requests], dtype=mx.int32)
         h = self.seed[:, None, :]
-        columns, qs = [], [[] for _ in requests]
+        columns, q_steps = [], []  # q_steps: per step, each row's q (sampled mode only)
         for step in range(depth):
             e = embed_tokens(self.target, tokens[:, None], self.embed_scale)
             logits, h = self.net(e, h, donors, self.donors, offset, invariant_attention)
             if self.samples:
-                token, q = self.sampling.sample(requests, self._full_vocab(logits[:, 0]), step)
+                tokens, q = self.sampling.sample(requests, self._full_vocab(logits[:, 0]), step)
+                q_steps.append(q)
             else:
-                token, q = self._token_ids(mx.argmax(logits[:, 0], axis=-1)), [None] * B
-            columns.append(token)
-            for i, qi in enumerate(q):
-                qs[i].append(qi)
-            tokens = token.astype(mx.int32)
+                tokens = self._token_ids(mx.argmax(logits[:, 0], axis=-1))
+            columns.append(tokens)
         values = mx.stack(columns, axis=1).tolist()
         drafts = [row[:k] for row, k in zip(values, depths, strict=True)]
-        q_rows = [
-            None if k == 0 or q[0] is None else mx.concatenate(q[:k])
-            for q, k in zip(qs, depths, strict=True)
-        ]
+        q_rows: list[mx.array | None] = [None] * B
+        for i, k in enumerate(depths):
+            if q_steps and k and q_steps[0][i] is not None:
+                q_rows[i] = mx.concatenate([q_steps[j][i] for j in range(k)])
         return Drafts(tokens=drafts, q=q_rows)
 
     def _token_ids(self, index: mx.array) -> mx.array:

@@ -140,8 +140,8 @@ class EngineCore:
         t0 = time.perf_counter()
         drafts = self._draft()
         t1 = time.perf_counter()
-        verdicts, seeds = self._forward_and_verify(drafts)
-        self._postprocess(drafts, verdicts, seeds, t1 - t0, time.perf_counter() - t1)
+        verdicts, hidden = self._forward_and_verify(drafts)
+        self._postprocess(drafts, verdicts, hidden, t1 - t0, time.perf_counter() - t1)
         return True
 
     def _draft(self) -> Drafts:
@@ -153,7 +153,7 @@ class EngineCore:
 
     def _forward_and_verify(self, drafts: Drafts) -> tuple[list[Verdict], mx.array]:
         """One target forward over each row's [pending, d1..dk]; keep accepted, rewind the rest.
-        Also returns each row's final hidden at its last accepted slot (the drafter's seed)."""
+        Also returns the forward's final hiddens (B, width, D)."""
         feeds = [[r.pending, *d] for r, d in zip(self.running, drafts.tokens, strict=True)]
         width = max(len(f) for f in feeds)
         ids = mx.array([f + [0] * (width - len(f)) for f in feeds], dtype=mx.int32)
@@ -161,14 +161,13 @@ class EngineCore:
         hidden = self.runner.forward(self.rows, ids, [len(f) for f in feeds])
         verdicts = verify(self.running, self.runner.logits(hidden, "all"), drafts.tokens, drafts.q)
         self.rows.set_ends([e + v.accepted + 1 for e, v in zip(before, verdicts, strict=True)])
-        slots = mx.array([v.accepted for v in verdicts], dtype=mx.int32)[:, None, None]
-        return verdicts, mx.take_along_axis(hidden, slots, axis=1)[:, 0]
+        return verdicts, hidden
 
     def _postprocess(
         self,
         drafts: Drafts,
         verdicts: list[Verdict],
-        seeds: mx.array,
+        hidden: mx.array,
         draft_s: float,
         verify_s: float,
     ) -> None:
@@ -176,7 +175,8 @@ class EngineCore:
         drafted = [len(d) for d in drafts.tokens]
         accepted = [v.accepted for v in verdicts]
         if self.drafter:
-            self.drafter.commit(accepted, seeds)
+            slots = mx.array(accepted, dtype=mx.int32)[:, None, None]  # each row's last slot
+            self.drafter.commit(accepted, mx.take_along_axis(hidden, slots, axis=1)[:, 0])
             width = max(drafted) + 1
             self.depth.observe(self.running, drafted, accepted, draft_s, verify_s, width)
             self.stats.record(self.drafter.name, drafted, accepted, draft_s, verify_s)

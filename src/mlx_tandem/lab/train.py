@@ -87,7 +87,8 @@ class Features:
 class Teacher:
     """The target's head restricted to the draft vocabulary: its log-probs from a hidden."""
 
-    rows: mx.array  # (Vd, B)
+    vocab: mx.array  # (Vd,) target ids of the draft vocabulary
+    rows: mx.array  # (Vd, B) the target's head rows for them
     softcap: float | None
 
     def log_probs(self, hidden: mx.array) -> mx.array:
@@ -100,7 +101,7 @@ class Teacher:
     def of(cls, target: LoadedModel, vocab: mx.array) -> Teacher:
         cap = getattr(getattr(target.model, "args", None), "final_logit_softcapping", None)
         rows = target_head_rows(target.model, vocab).astype(mx.float32)
-        return cls(rows, float(cap) if cap else None)
+        return cls(vocab, rows, float(cap) if cap else None)
 
 
 def batches(samples: list[Sample], cfg: TrainConfig, rng: random.Random) -> list[Batch]:
@@ -131,7 +132,7 @@ def _pad(group: list[Sample], T: int) -> Batch:
 
 def target_features(
     target: LoadedModel,
-    vocab: mx.array,
+    teacher: Teacher,
     donors: list[DonorLayer],
     batch: Batch,
     full_vocab: bool = True,
@@ -143,7 +144,7 @@ def target_features(
     caches = [KVCache() for _ in target.model.layers]
     hidden = target.graph.forward_hidden(batch.ids, caches)
     logits = target.graph.project_logits(hidden, "all") if full_vocab else None
-    sub = Teacher.of(target, vocab).log_probs(hidden) if logits is None else logits[..., vocab]
+    sub = teacher.log_probs(hidden) if logits is None else logits[..., teacher.vocab]
     inside = (
         mx.ones(sub.shape[:2], mx.bool_)
         if logits is None
@@ -270,9 +271,7 @@ class Trainer:
         return c.min_lr + 0.5 * (c.lr - c.min_lr) * (1 + math.cos(math.pi * frac))
 
     def features(self, batch: Batch) -> Features:
-        return target_features(
-            self.target, self.assistant.draft_vocab, self.donors, batch, self.full_vocab
-        )
+        return target_features(self.target, self.teacher, self.donors, batch, self.full_vocab)
 
     def train_step(self, batch: Batch, feats: Features) -> float:
         loss, grads = self._grad(
