@@ -47,6 +47,8 @@ class Row:
     finish: str | None = None
     error: str | None = None
     last_token: float | None = None
+    drafted: int = 0  # draft tokens proposed for this row, and how many the target accepted
+    accepted: int = 0
 
 
 async def merged_events(
@@ -105,6 +107,8 @@ def observe(
         if reason == "stop" and row.calls:
             reason = "tool_calls"
         row.finish, row.error = reason, out.error
+        if out.stats is not None:
+            row.drafted, row.accepted = out.stats.drafted, out.stats.accepted
         ttft = out.stats.ttft_s if out.stats and out.stats.first_token else None
         state.metrics.record_row(reason, ttft)
     return content, calls
@@ -153,13 +157,19 @@ def text_logprobs(state: ServerState, items: list[Any], k: int, offset: int) -> 
     }
 
 
-def usage(prompts: list[list[int]], rows: list[Row]) -> dict[str, int]:
+def usage(prompts: list[list[int]], rows: list[Row]) -> dict[str, Any]:
+    """OpenAI's usage; speculation as its Predicted Outputs counts (drafts accepted/rejected)."""
     prompt = sum(len(p) for p in prompts)
     completion = sum(r.tokens for r in rows)
+    accepted = sum(r.accepted for r in rows)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": sum(r.drafted for r in rows) - accepted,
+        },
     }
 
 

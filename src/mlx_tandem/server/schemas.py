@@ -184,10 +184,18 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
+class CompletionTokensDetails(BaseModel):
+    accepted_prediction_tokens: int = Field(
+        description="speculative draft tokens the target accepted (OpenAI's Predicted Outputs field)"
+    )
+    rejected_prediction_tokens: int = Field(description="speculative draft tokens it rejected")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class TopLogprob(BaseModel):
