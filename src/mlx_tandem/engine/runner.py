@@ -32,7 +32,7 @@ class ModelRunner:
     def __init__(self, model: LoadedModel, batch_invariant: bool = True) -> None:
         self.model = model
         self.block = BlockMode()  # on while one row's own prefill chunk runs
-        embed = model.model.model.embed_tokens
+        embed = model.graph.embedding
         self.hidden_size = int(model.config.get("hidden_size") or embed.weight.shape[-1])
         self.hidden_dtype = getattr(embed, "scales", embed.weight).dtype
         if batch_invariant:
