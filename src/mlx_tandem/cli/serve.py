@@ -234,7 +234,8 @@ def banner(name: str, spec: str | None, args: argparse.Namespace, keyed: bool):
         return (
             f"tandem serve: {name} on {url} (speculation: {speculation})\n"
             f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
-            f"-d '{body}'"
+            f"-d '{body}'\n"
+            f"  open {url}/ in a browser to chat"
         )
 
     return lines

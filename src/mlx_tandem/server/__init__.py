@@ -11,6 +11,7 @@
     schemas.py    pydantic request/response models (what /openapi.json describes)
     metrics.py    Prometheus text for GET /metrics
     tools.py      tool-call parsing with mlx-lm's parsers
+    static/chat.html  the chat page at GET / (vanilla JS over /v1/chat/completions)
 
 Imports go one way: app -> anthropic -> jobs, prompts, guard, responses -> state -> metrics,
 tools.

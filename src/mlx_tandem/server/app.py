@@ -3,6 +3,7 @@
     POST /v1/chat/completions, /v1/completions   JSON, or SSE `data: {...}` ... `data: [DONE]`
     POST /v1/messages, /v1/messages/count_tokens  Anthropic's Messages API (server/anthropic.py)
     GET  /v1/models, /v1/models/{id}, /health (and HEAD), /metrics, /openapi.json
+    GET  /   the chat page (server/static/chat.html; public, its API calls send the key)
     (/chat/completions, /completions, /models: the same without /v1)
 
 Every choice of every request is one engine row: `n` choices are n rows (seeds seed,
@@ -20,16 +21,18 @@ disconnects has its rows cancelled within one engine step. /health is 503 while 
 server drains or the engine cannot serve.
 
 Oracle: tests/test_server.py (a live server, the official openai client) and
-tests/test_server_hostile.py (the hostile-client probes).
+tests/test_server_hostile.py (the hostile-client probes); the chat page:
+tests/test_chat_page.py.
 """
 
 from __future__ import annotations
 
+from importlib.resources import files
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 
 from mlx_tandem.models.loader import LoadedModel
 from mlx_tandem.server import anthropic
@@ -109,6 +112,12 @@ def create_app(model: LoadedModel, engine: Any, options: ServerOptions) -> FastA
     @app.get("/metrics", response_class=PlainTextResponse, responses={401: err})
     async def metrics() -> Response:
         return Response(state.metrics.render(engine), media_type=CONTENT_TYPE)
+
+    page = files("mlx_tandem.server").joinpath("static/chat.html").read_text("utf-8")
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def chat_page() -> Response:
+        return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
 
     anthropic.install(app, state, workers)
 

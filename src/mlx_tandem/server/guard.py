@@ -2,7 +2,7 @@
 
 `Guard` is the ASGI middleware every request passes first (inside CORS): it checks the
 API key (constant-time; `Authorization: Bearer` in any letter case, or Anthropic's
-`x-api-key`; every path but /health and CORS preflights), reads the whole body before any handler runs — 413 past `max_body_bytes`
+`x-api-key`; every path but /health, / (the chat page) and CORS preflights), reads the whole body before any handler runs — 413 past `max_body_bytes`
 (declared or counted as it arrives), 408 when it has not all arrived within
 `body_timeout_s` — and counts every response by endpoint and code for /metrics. An
 exception escaping a handler becomes a 500 in OpenAI's error shape *here*, inside the
@@ -37,6 +37,7 @@ log = logging.getLogger("mlx_tandem.server")
 
 # path -> the endpoint label it is counted under (aliases without /v1 count as their /v1 twin)
 ENDPOINTS = {
+    "/": "/",
     "/v1/chat/completions": "/v1/chat/completions",
     "/chat/completions": "/v1/chat/completions",
     "/v1/completions": "/v1/completions",
@@ -49,6 +50,8 @@ ENDPOINTS = {
     "/v1/messages": "/v1/messages",
     "/v1/messages/count_tokens": "/v1/messages/count_tokens",
 }
+
+PUBLIC = frozenset({"/health", "/"})  # served without the API key (the page asks for it)
 
 # path prefix -> how errors under it are shaped (the default: OpenAI's, `error_response`)
 Shapes = dict[str, Callable[[ApiError], JSONResponse]]
@@ -143,7 +146,7 @@ class Guard:
 
         headers = dict(scope["headers"])
         preflight = scope["method"] == "OPTIONS"
-        if self.expected is not None and label != "/health" and not preflight:
+        if self.expected is not None and label not in PUBLIC and not preflight:
             given = (_bearer(headers.get(b"authorization", b"")), headers.get(b"x-api-key"))
             if not any(t is not None and hmac.compare_digest(t, self.expected) for t in given):
                 return await refuse(
