@@ -42,6 +42,7 @@ from mlx_tandem.engine.sampling import SamplingParams
 from mlx_tandem.engine.scheduler import Scheduler, default_budget, measure_memory
 from mlx_tandem.engine.verify import Verdict, verify
 from mlx_tandem.kv.state_rows import StateRows
+from mlx_tandem.models.families import check_engine, recurrent_refusal
 from mlx_tandem.models.loader import LoadedModel
 
 
@@ -55,12 +56,10 @@ class EngineCore:
     ) -> None:
         self.model = model
         self.config = config or RuntimeConfig.resolve()
+        check_engine(model.config, speculative=drafter is not None)  # models/families.py
         self.runner = ModelRunner(model, batch_invariant=self.config.batch_invariant)
         if drafter is not None and self.runner.recurrent_layers():
-            raise ValueError(
-                f"speculative decoding is not supported for {model.name!r}: its recurrent "
-                "layers cannot rewind rejected drafts per row (run it without a draft model)"
-            )
+            raise ValueError(recurrent_refusal(model.config))
         self.drafter = drafter
         self.depth = depth or FixedDepth(3)
         self.stats = EngineStats()

@@ -79,6 +79,160 @@ ARCHS: dict[str, dict[str, Any]] = {
     },
 }
 
+# The family matrix (models/families.py): one tiny config per further mlx-lm family, each
+# 2 layers (hybrids: one recurrent + one attention layer), built from mlx-lm's own classes.
+_TWO = {"num_hidden_layers": 2}
+_LINEAR_ATTN = {  # Qwen3-Next / Qwen3.5 Gated DeltaNet layers
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "full_attention_interval": 2,
+}
+FAMILY_ARCHS: dict[str, dict[str, Any]] = {
+    "qwen2": {**_TWO, "model_type": "qwen2", "rope_theta": 1000000.0, "tie_word_embeddings": False},
+    "qwen3_moe": {
+        **_TWO,
+        "model_type": "qwen3_moe",
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": 32,
+        "rope_theta": 1000000.0,
+        "norm_topk_prob": True,
+        "tie_word_embeddings": False,
+    },
+    "gemma2": {
+        **_TWO,
+        "model_type": "gemma2",
+        "query_pre_attn_scalar": 16,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+    },
+    "mamba2": {
+        **_TWO,
+        "model_type": "mamba2",
+        "num_heads": 8,
+        "head_dim": 16,
+        "state_size": 16,
+        "layer_norm_epsilon": 1e-5,
+        "conv_kernel": 4,
+        "n_groups": 1,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "tie_word_embeddings": False,
+        "time_step_limit": [0.0, 1000.0],
+        "time_step_rank": "auto",
+    },
+    "ministral3": {
+        **_TWO,
+        "model_type": "ministral3",
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 16,
+        "tie_word_embeddings": False,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 1000000.0,
+            "llama_4_scaling_beta": 0.1,
+            "original_max_position_embeddings": 64,
+        },
+    },
+    "phi3": {**_TWO, "model_type": "phi3", "rope_theta": 10000.0},
+    "olmo2": {**_TWO, "model_type": "olmo2", "tie_word_embeddings": False},
+    "granite": {
+        **_TWO,
+        "model_type": "granite",
+        "logits_scaling": 2.0,
+        "attention_multiplier": 0.25,
+        "embedding_multiplier": 2.0,
+        "residual_multiplier": 0.5,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    },
+    "smollm3": {
+        **_TWO,
+        "model_type": "smollm3",
+        "no_rope_layer_interval": 2,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    },
+    "gpt_oss": {
+        **_TWO,
+        "model_type": "gpt_oss",
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_theta": 150000,
+    },
+    "qwen3_next": {
+        **_TWO,
+        **_LINEAR_ATTN,
+        "model_type": "qwen3_next",
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "shared_expert_intermediate_size": 64,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": 32,
+        "rope_theta": 1000000.0,
+        "partial_rotary_factor": 0.25,
+        "tie_word_embeddings": False,
+    },
+    "qwen3_5": {
+        **_TWO,
+        **_LINEAR_ATTN,
+        "model_type": "qwen3_5",
+        "tie_word_embeddings": False,
+        "rope_parameters": {
+            "type": "default",
+            "mrope_section": [1, 1, 0],
+            "rope_theta": 100000.0,
+            "partial_rotary_factor": 0.25,
+        },
+    },
+    "nemotron_h": {
+        "model_type": "nemotron_h",
+        "hybrid_override_pattern": ["M", "*"],
+        "mamba_num_heads": 4,
+        "mamba_head_dim": 16,
+        "mamba_proj_bias": False,
+        "ssm_state_size": 16,
+        "conv_kernel": 4,
+        "n_groups": 1,
+        "mlp_bias": False,
+        "layer_norm_epsilon": 1e-5,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+    },
+    "falcon_h1": {
+        **_TWO,
+        "model_type": "falcon_h1",
+        "mamba_d_conv": 4,
+        "mamba_d_head": 16,
+        "mamba_d_ssm": 64,
+        "mamba_d_state": 16,
+        "mamba_n_heads": 4,
+        "mamba_n_groups": 1,
+        "mamba_chunk_size": 16,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    },
+}
+
+# Untied heads for the matrix: a random tied head mostly repeats one token, a weak test.
+FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
+    "qwen3": {"tie_word_embeddings": False},
+    "gemma3_text": {"tie_word_embeddings": False},
+    "lfm2": {"tie_word_embeddings": False},
+}
+
 
 def tiny_tokenizer() -> Tokenizer:
     """Byte-level BPE over the 256 byte symbols (no merges) plus a few special tokens."""
@@ -97,10 +251,11 @@ def make_tiny_model(arch: str, folder: Path, seed: int = 0, **overrides: Any) ->
     """Write a random-weight mlx-lm model folder for `arch`; returns the folder."""
     from mlx_lm.utils import _get_classes
 
-    if arch not in ARCHS:
-        raise ValueError(f"unknown tiny arch {arch!r} (known: {', '.join(ARCHS)})")
+    known = {**ARCHS, **FAMILY_ARCHS}
+    if arch not in known:
+        raise ValueError(f"unknown tiny arch {arch!r} (known: {', '.join(known)})")
     tokenizer = tiny_tokenizer()
-    config = {**_COMMON, **ARCHS[arch], "vocab_size": tokenizer.get_vocab_size(), **overrides}
+    config = {**_COMMON, **known[arch], "vocab_size": tokenizer.get_vocab_size(), **overrides}
     if arch == "gemma4_text":
         config.setdefault("vocab_size_per_layer_input", config["vocab_size"])
     config["eos_token_id"] = tokenizer.token_to_id("<eos>")
@@ -110,7 +265,7 @@ def make_tiny_model(arch: str, folder: Path, seed: int = 0, **overrides: Any) ->
     model = model_class(args_class.from_dict(config))
     # Sharper than the default init, so greedy decoding has clear (non-tied) argmaxes.
     params = {
-        k: v * 4.0 if k.endswith("embed_tokens.weight") else v
+        k: v * 4.0 if k.endswith(("embed_tokens.weight", "embeddings.weight")) else v
         for k, v in tree_flatten(model.parameters())
     }
     if arch in ("gemma3_text", "gemma4_text") and config.get("tie_word_embeddings", True):
