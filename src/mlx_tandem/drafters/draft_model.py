@@ -23,6 +23,7 @@ from mlx_tandem.engine.draft_source import Drafts
 from mlx_tandem.engine.request import Request
 from mlx_tandem.engine.runner import ModelRunner
 from mlx_tandem.kv.state_rows import PreparedChange, StateRows
+from mlx_tandem.models.families import check_engine
 from mlx_tandem.models.loader import LoadedModel
 
 
@@ -40,6 +41,7 @@ class DraftModelSource:
     samples = True  # sampled rows draw their drafts from the draft model's distribution
     def __init__(self, model: LoadedModel, chunk: int = 512, batch_invariant: bool = True) -> None:
         self.name = f"draft:{model.name}"
+        check_engine(model.config, speculative=False)  # it runs in rows (models/families.py)
         self.runner = ModelRunner(model, batch_invariant=batch_invariant)
         self.rows: StateRows = self.runner.empty_rows()
         self.chunk = chunk

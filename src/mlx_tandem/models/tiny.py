@@ -1,13 +1,17 @@
-"""Tiny random-weight models of several mlx-lm architectures, for tests and benches.
+"""Tiny random-weight models of many mlx-lm architectures, for tests and benches.
 
 `make_tiny_model(arch, folder)` writes a complete mlx-lm folder (config, random
 weights, a byte-level BPE tokenizer with a chat template) and returns its
 path; `load_folder` then loads it through the same path as real models.
-Architectures cover each cache kind the engines handle: `llama` and `qwen3`
-(KVCache), `gemma3_text` and `gemma4_text` (RotatingKVCache sliding layers + full
-layers; Gemma 4 with per-layer inputs, optionally KV-shared layers).
+`ARCHS` covers each cache kind the engines handle and is what most tests run:
+`llama` and `qwen3` (KVCache), `gemma3_text` and `gemma4_text` (RotatingKVCache
+sliding layers + full layers; Gemma 4 with per-layer inputs, optionally KV-shared
+layers), `lfm2` (short-convolution ArraysCache + attention). `FAMILY_ARCHS` adds one
+2-layer config per further family of models/families.py (the architecture matrix,
+with `FAMILY_OVERRIDES` for the make_tiny_model arguments the matrix uses).
 
-Oracle: tests/test_graph.py (tiny models of each family bind and run).
+Oracle: tests/test_graph.py (tiny models of each family bind and run),
+tests/test_families.py (the matrix).
 """
 
 from __future__ import annotations
@@ -226,11 +230,12 @@ FAMILY_ARCHS: dict[str, dict[str, Any]] = {
     },
 }
 
-# Untied heads for the matrix: a random tied head mostly repeats one token, a weak test.
+# make_tiny_model arguments for the matrix: a random tied head mostly repeats one token,
+# a weak test, so heads are untied (LFM2's is always tied: its layers are sharpened).
 FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "qwen3": {"tie_word_embeddings": False},
     "gemma3_text": {"tie_word_embeddings": False},
-    "lfm2": {"tie_word_embeddings": False},
+    "lfm2": {"layer_scale": 3.0},
 }
 
 
@@ -247,8 +252,13 @@ def tiny_tokenizer() -> Tokenizer:
     return tok
 
 
-def make_tiny_model(arch: str, folder: Path, seed: int = 0, **overrides: Any) -> Path:
-    """Write a random-weight mlx-lm model folder for `arch`; returns the folder."""
+def make_tiny_model(
+    arch: str, folder: Path, seed: int = 0, layer_scale: float = 1.0, **overrides: Any
+) -> Path:
+    """Write a random-weight mlx-lm model folder for `arch`; returns the folder.
+
+    `layer_scale` multiplies every layer matrix (not embeddings or the head): with an
+    always-tied head (LFM2) a random model otherwise just repeats its last token."""
     from mlx_lm.utils import _get_classes
 
     known = {**ARCHS, **FAMILY_ARCHS}
@@ -264,10 +274,13 @@ def make_tiny_model(arch: str, folder: Path, seed: int = 0, **overrides: Any) ->
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
     # Sharper than the default init, so greedy decoding has clear (non-tied) argmaxes.
-    params = {
-        k: v * 4.0 if k.endswith(("embed_tokens.weight", "embeddings.weight")) else v
-        for k, v in tree_flatten(model.parameters())
-    }
+    params = {}
+    for k, v in tree_flatten(model.parameters()):
+        if k.endswith(("embed_tokens.weight", "embeddings.weight")):
+            v = v * 4.0
+        elif layer_scale != 1.0 and ".layers." in k and v.ndim >= 2:
+            v = v * layer_scale
+        params[k] = v
     if arch in ("gemma3_text", "gemma4_text") and config.get("tie_word_embeddings", True):
         params.pop("lm_head.weight", None)  # tied, as in the real model
     folder.mkdir(parents=True, exist_ok=True)
