@@ -55,7 +55,8 @@ def test_page_is_public_self_contained_html(keyed: LiveServer) -> None:
     page = r.text
     assert page.lstrip().lower().startswith("<!doctype html>") and "</html>" in page
     assert not re.search(r"https?://", page), "the page must not reach beyond this server"
-    assert not re.search(r"<(script|link|img)[^>]+(src|href)=", page), "nothing to fetch"
+    fetched = re.findall(r"<(?:script|link|img|iframe)[^>]+(?:src|href)=\"([^\"]*)\"", page)
+    assert all(url.startswith("data:") for url in fetched), fetched  # nothing to fetch
     assert "/v1/chat/completions" in page and "num_draft_tokens" in page
     assert len(page.splitlines()) < 400
     assert httpx.get(keyed.url + "/v1/models").status_code == 401  # the API still needs the key
@@ -119,14 +120,16 @@ def test_chat_in_a_real_browser(real_model: Any) -> None:
     if not os.access(CHROMIUM, os.X_OK):
         pytest.fail(f"{CHROMIUM} is missing: {INSTALL}")
     server = LiveServer(real_model("smollm2-135m", "float32"), drafter="ngram", api_key=KEY)
-    sent: list[Any] = []
+    requests: list[Any] = []
     try:
         with sync_playwright() as p:
             browser = chromium(p)
             page = browser.new_page()
-            page.on(
-                "request", lambda r: sent.append(r.post_data_json) if r.method == "POST" else None
-            )
+            page.on("request", lambda r: requests.append(r))
+
+            def posts() -> list[Any]:
+                return [r.post_data_json for r in requests if r.method == "POST"]
+
             page.goto(server.url + "/")
             expect(page.locator("#notice")).to_contain_text("HTTP 401")  # no key yet
             page.fill("#key", KEY)
@@ -151,13 +154,13 @@ def test_chat_in_a_real_browser(real_model: Any) -> None:
             partial = [s for s in seen if s != final]
             assert len(set(partial)) >= 2, f"the reply did not stream: {seen}"
             assert all(final.startswith(s) for s in partial), seen
-            assert sent[-1]["stream"] is True and sent[-1]["num_draft_tokens"] == 4
-            assert sent[-1]["temperature"] == 0
+            assert posts()[-1]["stream"] is True and posts()[-1]["num_draft_tokens"] == 4
+            assert posts()[-1]["temperature"] == 0
 
             page.fill("#input", "Give it a title.")
             page.click("#send")
             expect(page.locator(".msg.assistant.done")).to_have_count(2, timeout=180_000)
-            turns = [(m["role"], m["content"]) for m in sent[-1]["messages"]]
+            turns = [(m["role"], m["content"]) for m in posts()[-1]["messages"]]
             assert turns == [
                 ("user", "Write a short poem about the sea."),
                 ("assistant", final),
@@ -173,7 +176,16 @@ def test_chat_in_a_real_browser(real_model: Any) -> None:
             expect(third).to_have_class(re.compile(r"\bdone\b"), timeout=30_000)
             expect(third.locator(".stats")).to_contain_text("stopped")
             expect(page.locator("#send")).to_be_enabled()
+
+            page.fill("#temperature", "5000")  # refused by the server: shown, and undone
+            page.fill("#input", "hi")
+            page.press("#input", "Enter")
+            error = page.locator(".msg.assistant").nth(3).locator(".error")
+            expect(error).to_have_text(re.compile(r"^HTTP 400: temperature: .*100"))
+            expect(page.locator("#input")).to_have_value("hi")
             browser.close()
+        urls = [r.url for r in requests]
+        assert all(u.startswith(server.url + "/") or u.startswith("data:") for u in urls), urls
         deadline = time.monotonic() + 30
         while server.engine.busy() and time.monotonic() < deadline:  # the row was cancelled
             time.sleep(0.05)
