@@ -75,3 +75,50 @@ def test_bad_arguments_are_refused(tmp_path):
     folder = make_tiny_model("llama", tmp_path / "tiny")
     with pytest.raises(ValueError, match="re-quantizes GGUF imports only"):
         loader.load(folder, dtype="q4", progress=False)
+
+
+# --- Hugging Face repo ids (no network: an offline or unreachable hub, a local HF cache) ---
+REPO = "mlx-community/Qwen3-0.6B-4bit"
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """huggingface_hub pointed at an empty cache under tmp_path and a hub that refuses
+    connections (a closed local port): nothing can leave this machine."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    return tmp_path / "hf"
+
+
+@pytest.mark.parametrize("offline", [True, False])
+def test_a_hub_id_that_is_not_cached_fails_naming_it(hub, monkeypatch, offline):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+    with pytest.raises(FileNotFoundError) as err:
+        loader.load(REPO, dtype="native", progress=False)
+    message = str(err.value)
+    assert REPO in message and "unreachable" in message and "not in the local HF cache" in message
+
+
+def test_a_hub_id_in_the_local_hf_cache_loads_offline(hub, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = hub / "models--mlx-community--Qwen3-0.6B-4bit"
+    make_tiny_model("qwen3", repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    m = loader.load(REPO, dtype="native", progress=False)
+    assert m.name == REPO and m.path == repo / "snapshots" / commit
+
+
+def test_names_that_are_not_repo_ids_are_not_sent_to_the_hub(hub):
+    with pytest.raises(ValueError, match="Hugging Face repo id"):
+        loader.load("no-such-model")
+    with pytest.raises(ValueError, match="unknown model"):
+        loader.load("./a/b/c")

@@ -70,8 +70,8 @@ def lookup(name: str) -> CatalogueEntry:
     except KeyError:
         known = ", ".join(sorted(CATALOGUE))
         raise ValueError(
-            f"unknown model {name!r}: not a folder, a .gguf file or a catalogue name "
-            f"(known: {known})"
+            f"unknown model {name!r}: not a folder, a .gguf file, a catalogue name "
+            f"(known: {known}) or a Hugging Face repo id (owner/name)"
         ) from None
 
 

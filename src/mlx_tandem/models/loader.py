@@ -1,19 +1,29 @@
 """Resolve a model argument to a loaded mlx-lm model, tokenizer and graph binding.
 
-A model argument is a local mlx-lm folder, a `.gguf` file, or a catalogue name.
-GGUF models are converted once into an mlx-lm folder under
-`$TANDEM_HOME/prepared/` (a `COMPLETE` marker is written last, so an
+A model argument is a local mlx-lm folder (MLX-quantized `mlx_lm.convert` output
+included), a `.gguf` file, a catalogue name, or a Hugging Face repo id (`owner/name`,
+resolved by mlx-lm's own hub download: the local HF cache, else the hub; offline and
+not cached is an error naming the id). GGUF models are converted once into an mlx-lm
+folder under `$TANDEM_HOME/prepared/` (a `COMPLETE` marker is written last, so an
 interrupted conversion is redone) and loaded with mlx-lm's own loader.
 
+Before any weight is read, the weights' size (from the safetensors headers, as they
+will be held in the chosen dtype: `float32` dequantizes an MLX-quantized folder) plus
+the KV-cache budget must fit the device's memory, else the model is refused with
+the numbers.
+
 Oracle: tests/test_loader.py (a GGUF is converted once; an interrupted conversion
-leaves nothing and is redone; argument and dtype errors); real-model parity in
-tests/test_real_models.py.
+leaves nothing and is redone; argument and dtype errors; hub ids offline; quantized
+folders and the memory check); real-model parity in tests/test_real_models.py.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +40,11 @@ from mlx_tandem.models.graph import MlxLmGraph, bind_graph
 
 DTYPES = ("auto", "native", "float32", "q8", "q4")
 _MARKER = "COMPLETE"
+HF_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+MIN_KV_BYTES = 256 << 20  # the engine's smallest KV-cache budget (engine/scheduler.py)
+_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4,
+                      "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1,
+                      "F8_E5M2": 1}
 
 
 @dataclass
@@ -110,8 +125,15 @@ def resolve_dtype(dtype: str) -> str:
     return default_dtype() if dtype == "auto" else dtype
 
 
-def load(model: str | Path, dtype: str = "auto", progress: bool = True) -> LoadedModel:
-    """Load a folder, a .gguf file or a catalogue name; see the module docstring."""
+def load(
+    model: str | Path,
+    dtype: str = "auto",
+    progress: bool = True,
+    kv_budget: int | None = None,
+) -> LoadedModel:
+    """Load a folder, a .gguf file, a catalogue name or a Hugging Face repo id; see the
+    module docstring. `kv_budget`: the KV-cache bytes the engine will be given (None: its
+    smallest budget), counted with the weights against the device's memory."""
     dtype = resolve_dtype(dtype)
     arg = str(model)
     path = Path(arg).expanduser()
@@ -123,11 +145,104 @@ def load(model: str | Path, dtype: str = "auto", progress: bool = True) -> Loade
         stat = path.stat()
         key = f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
         folder, name = prepare_gguf(path, key, dtype, progress), path.stem
+    elif arg not in catalogue.CATALOGUE and HF_REPO_ID.match(arg):
+        folder, name = hub_folder(arg), arg
     else:
         entry = catalogue.lookup(arg)
         gguf = catalogue.fetch(entry, quiet=not progress)
         folder, name = prepare_gguf(gguf, entry.name, dtype, progress), entry.name
-    return load_folder(folder, name=name, dtype=dtype)
+    return load_folder(folder, name=name, dtype=dtype, kv_budget=kv_budget)
+
+
+def hub_folder(repo: str) -> Path:
+    """A Hugging Face repo's local snapshot through mlx-lm's own download (HF cache first).
+    Raises FileNotFoundError naming the repo when the hub cannot provide it."""
+    from huggingface_hub import constants, errors
+    from mlx_lm.utils import _download
+
+    try:
+        return _download(repo)
+    except errors.LocalEntryNotFoundError:
+        raise FileNotFoundError(
+            f"model {repo!r}: the Hugging Face hub is unreachable (offline, or HF_HUB_OFFLINE "
+            f"is set) and the repo is not in the local HF cache ({constants.HF_HUB_CACHE}); "
+            f"download it where the hub is reachable (`hf download {repo}`) or pass a local "
+            "mlx-lm folder"
+        ) from None
+    except errors.RepositoryNotFoundError:
+        raise FileNotFoundError(
+            f"model {repo!r}: no such repo on the Hugging Face hub (or it is private or "
+            "gated: log in with `hf auth login`)"
+        ) from None
+    except errors.RevisionNotFoundError:
+        raise FileNotFoundError(f"model {repo!r}: the hub has no such revision") from None
+    except errors.HfHubHTTPError as err:
+        raise RuntimeError(f"model {repo!r}: the Hugging Face hub failed: {err}") from None
+
+
+def device_memory() -> int:
+    """Bytes of memory MLX's device has (the machine's RAM on the CPU backend)."""
+    try:
+        return int(mx.device_info()["memory_size"])
+    except (AttributeError, KeyError, RuntimeError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def weight_bytes(folder: Path, dtype: str = "native") -> int:
+    """The bytes the folder's weights take once loaded in `dtype`, from the safetensors
+    headers alone (no tensor is read). `float32` counts every floating tensor at 4 bytes
+    and a quantized weight (an MLX-quantized folder) dequantized: its scales and biases go."""
+    config = json.loads((folder / "config.json").read_text())
+    quant = config.get("quantization") or config.get("quantization_config") or {}
+    bits = int(quant.get("bits", 0) or 0)
+    total = 0
+    for file in sorted(folder.glob("*.safetensors")):
+        for key, info in _safetensors_header(file).items():
+            if key == "__metadata__":
+                continue
+            start, end = info["data_offsets"]
+            size = end - start
+            if dtype == "float32":
+                if bits and key.endswith((".scales", ".biases")):
+                    size = 0
+                elif bits and info["dtype"] == "U32":
+                    size = size * 8 // bits * 4  # packed bits-wide values -> float32
+                elif info["dtype"].startswith(("F", "BF")):
+                    size = size // _SAFETENSORS_BYTES.get(info["dtype"], 4) * 4
+            total += size
+    return total
+
+
+def _safetensors_header(file: Path) -> dict[str, Any]:
+    with file.open("rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError(f"{file} is not a safetensors file (shorter than its header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > 100 << 20:
+            raise ValueError(f"{file} is not a safetensors file (header of {n} bytes)")
+        return json.loads(f.read(n))
+
+
+def check_fits(
+    folder: Path,
+    name: str,
+    dtype: str,
+    kv_budget: int | None = None,
+    memory: int | None = None,
+) -> None:
+    """Refuse (ValueError, with the numbers) weights + KV budget beyond the device's memory."""
+    weights = weight_bytes(folder, dtype)
+    kv = kv_budget if kv_budget is not None else MIN_KV_BYTES
+    memory = memory if memory is not None else device_memory()
+    if weights + kv > memory:
+        gib = 1 << 30
+        hint = " (--dtype native keeps its quantization)" if dtype == "float32" else ""
+        raise ValueError(
+            f"model {name!r} does not fit: its weights need {weights / gib:.2f} GiB as {dtype}"
+            f"{hint} (from the safetensors headers) + {kv / gib:.2f} GiB KV-cache budget = "
+            f"{(weights + kv) / gib:.2f} GiB, more than the device's {memory / gib:.2f} GiB"
+        )
 
 
 def prepared_dir(key: str, dtype: str) -> Path:
@@ -155,16 +270,20 @@ def prepare_gguf(gguf: Path, key: str, dtype: str, progress: bool) -> Path:
     return target
 
 
-def load_folder(folder: Path, name: str, dtype: str = "native") -> LoadedModel:
+def load_folder(
+    folder: Path, name: str, dtype: str = "native", kv_budget: int | None = None
+) -> LoadedModel:
+    """Load an mlx-lm folder: checked (config, dtype, memory) before any weight is read."""
     if not (folder / "config.json").exists():
         raise FileNotFoundError(f"{folder} is not an mlx-lm model folder (no config.json)")
-    model, tokenizer, config = mlx_lm_load(str(folder), return_config=True)
-    if dtype == "float32" and not _is_prepared(folder):
-        model = _to_float32(model)
-    elif dtype in ("q8", "q4") and not _is_prepared(folder):
+    if dtype in ("q8", "q4") and not _is_prepared(folder):
         raise ValueError(
             f"--dtype {dtype} re-quantizes GGUF imports only; convert folders with mlx_lm.convert"
         )
+    check_fits(folder, name, "native" if _is_prepared(folder) else dtype, kv_budget)
+    model, tokenizer, config = mlx_lm_load(str(folder), return_config=True)
+    if dtype == "float32" and not _is_prepared(folder):
+        model = _to_float32(model)
     return LoadedModel(
         name=name,
         path=folder,
