@@ -127,14 +127,14 @@ class AssistantSource:
         target: StateRows, layer: int, window: int | None, ends: list[int]
     ) -> tuple[mx.array, mx.array, mx.array]:
         cache = target.layers[layer]
-        if not isinstance(cache, RowKVCache) or cache.keys is None:
+        if not isinstance(cache, RowKVCache) or cache.kparts is None:
             raise ValueError(f"target layer {layer} holds no attention K/V for the assistant")
-        width = min(cache.keys.shape[2], -(-max(*ends, 1) // KEY_CHUNK) * KEY_CHUNK)
+        width = min(cache.capacity, -(-max(*ends, 1) // KEY_CHUNK) * KEY_CHUNK)
         cols = mx.arange(width)[None, :]
         end = mx.array(ends, dtype=mx.int32)[:, None]
         valid = cols < end
         if window is not None:
             valid = valid & (cols > end - window)
         valid = valid | ((end == 0) & (cols == 0))  # a row with no K/V yet reads one zero key
-        keys, values = cache.keys[:, :, :width], cache.values[:, :, :width]
+        keys, values = cache.fetch(width)  # decoded through the layer's KV codec
         return keys, values, valid[:, None, None, :]

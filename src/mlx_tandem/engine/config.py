@@ -10,6 +10,8 @@ validated here, before any engine state exists.
     TANDEM_MAX_QUEUE          waiting requests before submit refuses (default 256)
     TANDEM_BATCH_INVARIANT    1/0: pad forwards so a row's arithmetic never depends on
                               the batch (default 1; 0 is faster at small batch, not exact)
+    TANDEM_KV_CODEC           how rows store committed K/V: fp (default), affine8, affine4[:gN],
+                              turbo-kKvV, with optional ,fp-edges / ,fp-sliding (kv/codec.py)
 
 There is no compiled-decode switch: the decode step keeps per-row cache bookkeeping
 on the host, and compiling its attention kernel alone measured 0.8x-1.3x
@@ -24,6 +26,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
+
+from mlx_tandem.kv.codec import parse_codec
 
 _UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -58,6 +62,7 @@ class RuntimeConfig:
     memory_budget: int | None = None
     max_queue: int = 256
     batch_invariant: bool = True
+    kv_codec: str = "fp"
 
     def __post_init__(self) -> None:
         if self.max_rows < 1:
@@ -70,6 +75,7 @@ class RuntimeConfig:
             raise ValueError(f"memory_budget must be positive, got {self.memory_budget}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        parse_codec(self.kv_codec)  # ValueError naming the known codecs
 
     @classmethod
     def resolve(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> RuntimeConfig:
@@ -85,6 +91,8 @@ class RuntimeConfig:
                 values[f.name] = parse_bytes(raw)
             elif f.name == "batch_invariant":
                 values[f.name] = _bool(raw, name)
+            elif f.name == "kv_codec":
+                values[f.name] = raw
             else:
                 try:
                     values[f.name] = int(raw)

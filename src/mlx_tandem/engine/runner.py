@@ -12,6 +12,11 @@ fixed by the row's own chunk boundaries) and
 return hidden states; logits are projected only where callers ask, through a
 head padded the same way.
 
+The runner also owns the rows' KV codec plan (kv/codec.py): which codec each
+attention layer stores its committed K/V with. The codec name is validated
+against the model's head dims (and its family's declared codecs, a model's
+`kv_codecs` attribute) when the runner is built, before any request runs.
+
 Oracle: tests/test_state_rows.py, tests/test_engine.py (each row's logits and
 tokens in any cohort equal the row decoded alone).
 """
@@ -19,9 +24,11 @@ tokens in any cohort equal the row decoded alone).
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from mlx_tandem.kv.attention import BlockMode
+from mlx_tandem.kv.codec import FP, CodecSpec, KVCodec, check_dims, parse_codec
+from mlx_tandem.kv.row_cache import RowKVCache
 from mlx_tandem.kv.state_rows import StateRows
 from mlx_tandem.models.graph import MlxLmGraph, Which, bind_graph
 from mlx_tandem.models.invariance import follow_plan, probe_plan, row_stable
@@ -29,8 +36,12 @@ from mlx_tandem.models.loader import LoadedModel
 
 
 class ModelRunner:
-    def __init__(self, model: LoadedModel, batch_invariant: bool = True) -> None:
+    def __init__(
+        self, model: LoadedModel, batch_invariant: bool = True, kv_codec: str | CodecSpec = "fp"
+    ) -> None:
         self.model = model
+        self.kv_spec = kv_codec if isinstance(kv_codec, CodecSpec) else parse_codec(kv_codec)
+        self._codecs: dict[int, KVCodec] = {}
         self.block = BlockMode()  # on while one row's own prefill chunk runs
         embed = model.graph.embedding
         self.hidden_size = int(model.config.get("hidden_size") or embed.weight.shape[-1])
@@ -42,9 +53,31 @@ class ModelRunner:
             self.graph.head = follow_plan(self.graph.head, head_plan, self.block)
         else:
             self.graph = model.graph
+        if self.kv_spec.kind != "fp":
+            self._plan_codecs()
+
+    def _plan_codecs(self) -> None:
+        """Each attention layer's codec, checked against its K/V dims (a traced forward)."""
+        spec = self.kv_spec
+        probe = StateRows.blank(self.model.model, 1)
+        self.graph.forward_hidden(mx.array([[0]], dtype=mx.int32), probe.layers)  # not evaluated
+        kinds = make_prompt_cache(self.model.model)
+        attention = [i for i, c in enumerate(probe.layers) if _first_kv(c) is not None]
+        declared = getattr(self.model, "kv_codecs", None)
+        for i in attention:
+            cache = _first_kv(probe.layers[i])
+            assert cache is not None and cache.kparts and cache.vparts
+            window = getattr(kinds[i], "max_size", None)
+            codec = spec.for_layer(i, window, edge=i in (attention[0], attention[-1]))
+            check_dims(spec, i, codec, cache.kparts[0].shape[3], cache.vparts[0].shape[3], declared)
+            self._codecs[i] = codec
+
+    def codec_for(self, layer: int, window: int | None) -> KVCodec:
+        """The plan StateRows builds row caches with."""
+        return self._codecs.get(layer, FP)
 
     def empty_rows(self) -> StateRows:
-        return StateRows.empty(self.model.model)
+        return StateRows.empty(self.model.model, self.codec_for)
 
     def recurrent_layers(self) -> bool:
         """Whether any layer keeps recurrent state (it cannot rewind by moving an end)."""
@@ -52,7 +85,7 @@ class ModelRunner:
 
     def blank_rows(self, n: int) -> StateRows:
         """n rows holding no tokens yet (joining rows before prefill)."""
-        return StateRows.blank(self.model.model, n)
+        return StateRows.blank(self.model.model, n, self.codec_for)
 
     def no_hidden(self, n: int) -> mx.array:
         """(n, D) zeros: the hidden handed over for rows that fed no token yet."""
@@ -98,3 +131,13 @@ class ModelRunner:
 
     def logits(self, hidden: mx.array, which: Which = "last") -> mx.array:
         return self.graph.project_logits(hidden, which)
+
+
+def _first_kv(cache: object) -> RowKVCache | None:
+    """A layer's (first) row KV cache, looking inside CacheLists."""
+    if isinstance(cache, RowKVCache):
+        return cache
+    for c in getattr(cache, "caches", ()):
+        if (found := _first_kv(c)) is not None:
+            return found
+    return None

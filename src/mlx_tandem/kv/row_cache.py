@@ -1,22 +1,34 @@
 """RowKVCache: one attention layer's keys/values for B rows, each with its own end.
 
-Row i's tokens occupy columns [0, ends[i]) of a shared (B, Hkv, capacity, D)
-buffer. Appending L tokens writes each row at its own end (one scatter);
+Row i's tokens occupy columns [0, ends[i]) of shared (B, Hkv, capacity, ·)
+buffers. Appending L tokens writes each row at its own end (one scatter);
 rewinding a row is moving its end back — no data moves, so per-row rewind
 after speculative verification costs nothing. Columns past a row's end hold
 stale data that the validity mask hides. A sliding-window layer (Gemma 3's
 local layers) keeps every column and masks by window, so its arithmetic is
 that of the full-attention path.
 
+What a column holds is the layer's KV codec's encoding (kv/codec.py: `fp`
+stores the vectors themselves; quantized codecs store their parts). Every
+codec encodes each vector on its own, so a verify block's committed columns
+are the same however the block was appended and a rejected tail is discarded
+by moving ends back. Attention reads the decoded vectors (dequantize-then-
+attend, in the codec's attention space: `attend` rotates the queries and
+un-rotates the output for a rotating codec); the new tokens are attended
+through their encoding too, so a token's arithmetic never depends on whether
+it arrived alone or in a block. `fetch` gives the decoded K/V in the model's
+own space (the assistant drafter reads donor layers through it).
+
 The cache speaks mlx-lm's cache protocol as the model files use it: `offset`
 (per-row positions, read for RoPE before the update), `make_mask`, and
 `update_and_fetch`; plus `attend` (see kv/attention.py) so attention runs
 with the batch-invariant arithmetic, or — for a one-row cache running its own
-prefill chunk (`block`, from the runner's BlockMode) — with fused attention. Ends are host-side ints: the engine
-always knows them, so no step needs a device-to-host sync.
+prefill chunk (`block`, from the runner's BlockMode) — with fused attention. Ends are
+host-side ints: the engine always knows them, so no step needs a device-to-host sync.
 
 Oracle: tests/test_row_cache.py (a row's attention alone == in a batch ==
-after rewind and re-append); tests/test_state_rows.py (the same for logits).
+after rewind and re-append, under each codec); tests/test_state_rows.py (the
+same for logits).
 """
 
 from __future__ import annotations
@@ -24,20 +36,41 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlx_tandem.kv.attention import KEY_CHUNK, block_attention, invariant_attention
+from mlx_tandem.kv.codec import FP, KVCodec
 
 PAGE = 256  # capacity grows in whole pages
 SPAN = KEY_CHUNK  # attention reads key columns in whole chunks
+
+Parts = tuple[mx.array, ...]
 
 
 def _span(width: int) -> int:
     return -(-width // SPAN) * SPAN
 
 
+def _scatter(buf: mx.array, new: mx.array, ends: list[int]) -> mx.array:
+    L = new.shape[2]
+    if len(set(ends)) == 1:
+        buf[:, :, ends[0] : ends[0] + L] = new
+        return buf
+    cols = mx.array(ends, dtype=mx.int32)[:, None, None, None] + mx.arange(L)[None, None, :, None]
+    return mx.put_along_axis(buf, mx.broadcast_to(cols, new.shape), new, axis=2)
+
+
+def _grow(parts: Parts | None, like: Parts, grow: int) -> Parts:
+    zeros = tuple(mx.zeros((p.shape[0], p.shape[1], grow, p.shape[3]), p.dtype) for p in like)
+    if parts is None:
+        return zeros
+    return tuple(mx.concatenate([p, z], axis=2) for p, z in zip(parts, zeros, strict=True))
+
+
 class RowKVCache:
-    def __init__(self, window: int | None = None) -> None:
+    def __init__(self, window: int | None = None, codec: KVCodec = FP) -> None:
         self.window = window
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
+        self.codec = codec
+        self.kparts: Parts | None = None
+        self.vparts: Parts | None = None
+        self.dtype: mx.Dtype = mx.float32  # the model's K/V dtype (set by the first append)
         self.ends: list[int] = []
 
     # --- the mlx-lm cache protocol -------------------------------------------------
@@ -59,46 +92,66 @@ class RowKVCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         B, L = keys.shape[0], keys.shape[2]
         assert len(self.ends) == B, f"cache has {len(self.ends)} rows, input has {B}"
+        self.dtype = keys.dtype
+        kp, vp = self.codec.key.encode(keys), self.codec.value.encode(values)
         width = _span(max(self.ends) + L)
-        self._reserve(width, keys, values)
-        if len(set(self.ends)) == 1:
-            e = self.ends[0]
-            self.keys[:, :, e : e + L, :] = keys
-            self.values[:, :, e : e + L, :] = values
-        else:
-            cols = (
-                mx.array(self.ends, dtype=mx.int32)[:, None, None, None]
-                + mx.arange(L)[None, None, :, None]
-            )
-            cols = mx.broadcast_to(cols, keys.shape)
-            self.keys = mx.put_along_axis(self.keys, cols, keys, axis=2)
-            self.values = mx.put_along_axis(self.values, cols, values, axis=2)
+        self._reserve(width, kp, vp)
+        assert self.kparts is not None and self.vparts is not None
+        self.kparts = tuple(_scatter(b, n, self.ends) for b, n in zip(self.kparts, kp, strict=True))
+        self.vparts = tuple(_scatter(b, n, self.ends) for b, n in zip(self.vparts, vp, strict=True))
         self.ends = [e + L for e in self.ends]
-        return self.keys[:, :, :width, :], self.values[:, :, :width, :]
+        return self._decoded(width)
+
+    def _decoded(self, width: int) -> tuple[mx.array, mx.array]:
+        """Columns [0, width) decoded, in the codec's attention space."""
+        assert self.kparts is not None and self.vparts is not None
+        keys = self.codec.key.decode(tuple(p[:, :, :width] for p in self.kparts), self.dtype)
+        values = self.codec.value.decode(tuple(p[:, :, :width] for p in self.vparts), self.dtype)
+        return keys, values
 
     def attend(self, queries, keys, values, scale: float, mask, block: bool = False) -> mx.array:
         if not isinstance(mask, mx.array):
             raise ValueError("RowKVCache.attend needs the array mask from make_mask")
+        queries = self.codec.key.rotate(queries)
         if block:
             assert len(self.ends) == 1, "block attention is for one row's own prefill"
-            return block_attention(queries, keys, values, scale, mask)
-        return invariant_attention(queries, keys, values, scale, mask)
+            out = block_attention(queries, keys, values, scale, mask)
+        else:
+            out = invariant_attention(queries, keys, values, scale, mask)
+        return self.codec.value.unrotate(out)
 
     @property
     def state(self) -> list[mx.array]:
-        return [a for a in (self.keys, self.values) if a is not None]
+        return [*(self.kparts or ()), *(self.vparts or ())]
+
+    # --- reading (drafters, memory accounting) --------------------------------------
+    @property
+    def capacity(self) -> int:
+        return 0 if self.kparts is None else self.kparts[0].shape[2]
+
+    def fetch(self, width: int | None = None) -> tuple[mx.array, mx.array]:
+        """Decoded keys and values of columns [0, width) in the model's own space."""
+        assert self.kparts is not None, "the cache holds no K/V yet"
+        keys, values = self._decoded(self.capacity if width is None else width)
+        return self.codec.key.unrotate(keys), self.codec.value.unrotate(values)
+
+    @property
+    def keys(self) -> mx.array | None:
+        """Every column's keys, decoded (for an fp cache: the buffer itself)."""
+        return None if self.kparts is None else self.fetch()[0]
+
+    @property
+    def values(self) -> mx.array | None:
+        return None if self.vparts is None else self.fetch()[1]
 
     # --- row operations (used by StateRows) -----------------------------------------
-    def _reserve(self, width: int, keys: mx.array, values: mx.array) -> None:
-        B, Hkv, _, D = keys.shape
-        capacity = 0 if self.keys is None else self.keys.shape[2]
+    def _reserve(self, width: int, kp: Parts, vp: Parts) -> None:
+        capacity = self.capacity
         if width <= capacity:
             return
         grow = -(-width // PAGE) * PAGE - capacity
-        kz = mx.zeros((B, Hkv, grow, D), keys.dtype)
-        vz = mx.zeros((B, values.shape[1], grow, values.shape[3]), values.dtype)
-        self.keys = kz if self.keys is None else mx.concatenate([self.keys, kz], axis=2)
-        self.values = vz if self.values is None else mx.concatenate([self.values, vz], axis=2)
+        self.kparts = _grow(self.kparts, kp, grow)
+        self.vparts = _grow(self.vparts, vp, grow)
 
     def set_ends(self, ends: list[int]) -> None:
         """Rewind (or confirm) each row's end; ends may only move back."""
@@ -107,46 +160,54 @@ class RowKVCache:
         ), "set_ends can only rewind rows"
         self.ends = list(ends)
 
+    def _empty_like(self) -> RowKVCache:
+        out = type(self)(self.window, self.codec)
+        out.dtype = self.dtype
+        return out
+
     def take_rows(self, idx: list[int]) -> RowKVCache:
         """A new cache holding rows `idx` (in order), trimmed to the pages they use."""
-        out = RowKVCache(self.window)
+        out = self._empty_like()
         out.ends = [self.ends[i] for i in idx]
-        if self.keys is not None and idx:
-            width = min(self.keys.shape[2], -(-max(max(out.ends), 1) // PAGE) * PAGE)
+        if self.kparts is not None and self.vparts is not None and idx:
+            width = min(self.capacity, -(-max(max(out.ends), 1) // PAGE) * PAGE)
             rows = mx.array(idx, dtype=mx.int32)
-            out.keys = self.keys[rows, :, :width]
-            out.values = self.values[rows, :, :width]
+            out.kparts = tuple(p[rows, :, :width] for p in self.kparts)
+            out.vparts = tuple(p[rows, :, :width] for p in self.vparts)
         return out
 
     @classmethod
     def merge(cls, parts: list[RowKVCache]) -> RowKVCache:
         """Concatenate caches row-wise (capacities padded to the widest)."""
-        out = cls(parts[0].window)
+        names = {p.codec.name for p in parts}
+        assert len(names) == 1, f"cannot merge row caches of different codecs: {names}"
+        out = parts[0]._empty_like()
         out.ends = [e for p in parts for e in p.ends]
-        filled = [p for p in parts if p.keys is not None]
+        filled = [p for p in parts if p.kparts is not None]
         if not filled:
             return out
         ref = filled[0]
-        capacity = max(p.keys.shape[2] for p in filled)
+        out.dtype = ref.dtype
+        capacity = max(p.capacity for p in filled)
 
-        def padded(p: RowKVCache, which: str) -> mx.array:
-            a = getattr(p, which)
-            if a is None:
-                shape = getattr(ref, which).shape
-                return mx.zeros(
-                    (len(p.ends), shape[1], capacity, shape[3]), getattr(ref, which).dtype
+        def padded(p: RowKVCache, which: str) -> Parts:
+            mine: Parts | None = getattr(p, which)
+            like: Parts = getattr(ref, which)
+            if mine is None:
+                return tuple(
+                    mx.zeros((len(p.ends), a.shape[1], capacity, a.shape[3]), a.dtype) for a in like
                 )
-            if a.shape[2] < capacity:
-                z = mx.zeros((a.shape[0], a.shape[1], capacity - a.shape[2], a.shape[3]), a.dtype)
-                a = mx.concatenate([a, z], axis=2)
-            return a
+            if p.capacity < capacity:
+                mine = _grow(mine, mine, capacity - p.capacity)
+            return mine
 
-        out.keys = mx.concatenate([padded(p, "keys") for p in parts], axis=0)
-        out.values = mx.concatenate([padded(p, "values") for p in parts], axis=0)
+        for which in ("kparts", "vparts"):
+            columns = list(zip(*[padded(p, which) for p in parts], strict=True))
+            setattr(out, which, tuple(mx.concatenate(list(c), axis=0) for c in columns))
         return out
 
     def clone(self) -> RowKVCache:
         """A snapshot: shares the (immutable) buffers, copies the ends."""
-        c = RowKVCache(self.window)
-        c.keys, c.values, c.ends = self.keys, self.values, list(self.ends)
+        c = self._empty_like()
+        c.kparts, c.vparts, c.ends = self.kparts, self.vparts, list(self.ends)
         return c

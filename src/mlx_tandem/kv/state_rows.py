@@ -30,10 +30,16 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
 from mlx_tandem.kv.attention import BlockMode
+from mlx_tandem.kv.codec import FP, KVCodec
 from mlx_tandem.kv.routing import attention_route, route_attention
 from mlx_tandem.kv.row_cache import RowKVCache
 
 LayerCache = Any  # RowKVCache | ArraysCache | CacheList
+CodecPlan = Callable[[int, "int | None"], KVCodec]  # (layer, window) -> that layer's codec
+
+
+def _fp_plan(layer: int, window: int | None) -> KVCodec:
+    return FP
 
 
 @dataclass
@@ -45,17 +51,19 @@ class PreparedChange:
 
 
 # --- per-kind primitives ----------------------------------------------------------
-def _row_kind(cache: Any, kv: type[RowKVCache] = RowKVCache) -> LayerCache:
+def _row_kind(
+    cache: Any, kv: type[RowKVCache] = RowKVCache, layer: int = 0, plan: CodecPlan = _fp_plan
+) -> LayerCache:
     if type(cache) is KVCache:
-        return kv()
+        return kv(None, plan(layer, None))
     if type(cache) is RotatingKVCache:
         if cache.keep:
             raise ValueError("RotatingKVCache with keep > 0 is not supported by the rows engine")
-        return kv(window=cache.max_size)
+        return kv(cache.max_size, plan(layer, cache.max_size))
     if type(cache) is ArraysCache:
         return ArraysCache(len(cache.cache))
     if type(cache) is CacheList:
-        return CacheList(*[_row_kind(c, kv) for c in cache.caches])
+        return CacheList(*[_row_kind(c, kv, layer, plan) for c in cache.caches])
     raise ValueError(f"cache kind {type(cache).__name__} is not supported by the rows engine")
 
 
@@ -94,7 +102,7 @@ def _concat(parts: list[LayerCache], counts: list[int]) -> LayerCache:
 
 def _blank(cache: LayerCache, n: int) -> LayerCache:
     if isinstance(cache, RowKVCache):
-        out = type(cache)(cache.window)
+        out = type(cache)(cache.window, cache.codec)
         out.ends = [0] * n
         return out
     if isinstance(cache, CacheList):
@@ -127,14 +135,17 @@ class StateRows:
         self.rows = rows
 
     @classmethod
-    def empty(cls, model: nn.Module) -> StateRows:
-        """No rows yet; layer kinds mirror mlx-lm's `make_prompt_cache(model)`."""
-        return cls([_row_kind(c) for c in make_prompt_cache(model)], 0)
+    def empty(cls, model: nn.Module, plan: CodecPlan = _fp_plan) -> StateRows:
+        """No rows yet; layer kinds mirror mlx-lm's `make_prompt_cache(model)`; `plan` gives
+        each attention layer's KV codec (default: float)."""
+        return cls(
+            [_row_kind(c, RowKVCache, i, plan) for i, c in enumerate(make_prompt_cache(model))], 0
+        )
 
     @classmethod
-    def blank(cls, model: nn.Module, rows: int) -> StateRows:
+    def blank(cls, model: nn.Module, rows: int, plan: CodecPlan = _fp_plan) -> StateRows:
         """`rows` rows holding no tokens yet."""
-        empty = cls.empty(model)
+        empty = cls.empty(model, plan)
         return cls([_blank(c, rows) for c in empty.layers], rows)
 
     def leaves(self) -> list[Any]:
@@ -230,8 +241,8 @@ class StateRows:
 class _ProbeKV(RowKVCache):
     """A row cache that records which module writes it and how often `attend` runs on it."""
 
-    def __init__(self, window: int | None = None) -> None:
-        super().__init__(window)
+    def __init__(self, window: int | None = None, codec: KVCodec = FP) -> None:
+        super().__init__(window, codec)
         self.writer: object = None
         self.attends = 0
 

@@ -1,0 +1,367 @@
+"""KV codecs: how a row cache stores each committed K/V vector, and how attention reads it.
+
+A codec is a pair of `VectorCodec`s (keys, values). A vector codec turns a span
+(B, H, L, D) of vectors into a tuple of arrays ("parts", each (B, H, L, ·)) and
+back; the row cache stores the parts column by column and attends over the
+decoded vectors (dequantize-then-attend). Three kinds:
+
+  * `fp`: the vector itself (today's arithmetic, bit for bit);
+  * `affineB[:gG]`: MLX affine quantization (`mx.quantize`, B bits, groups of G
+    along head_dim, float16 scales and biases);
+  * `turbo-kKvV`: TurboQuant (SPEC_REFERENCE §2): a fixed random-sign Hadamard
+    rotation per layer, a float16 norm per vector and Lloyd-Max codebook indices
+    of the rotated direction (K / V bits in {2, 3, 4, 8}), packed into uint8.
+    The cache decodes keys and values in the *rotated* space; attention rotates
+    the queries once and un-rotates its output once (q·k and sum p·v commute with
+    an orthogonal rotation), so no step rotates the whole cache.
+
+Every kind encodes each vector on its own, so appending a multi-token span (a
+verify block, a prefill chunk) stores exactly what appending its tokens one by
+one would (`span_append_safe`; checked by `span_append_mismatch`). The rows
+engine refuses a codec that does not declare it.
+
+A codec name may carry per-layer options: `,fp-edges` keeps the first and last
+attention layers in float, `,fp-sliding` keeps sliding-window layers in float.
+`parse_codec` validates a name before any engine state exists; `check_dims`
+validates it against a model's head dims (and a family's declared kinds).
+
+Oracle: tests/test_kv_codecs.py (span == concat of single-token encodes, bitwise;
+a per-span-scale variant is caught; rows alone == batched under each codec).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from dataclasses import dataclass
+from typing import Protocol
+
+import mlx.core as mx
+import numpy as np
+
+TURBO_BITS = (2, 3, 4, 8)
+AFFINE_BITS = (2, 3, 4, 5, 6, 8)
+AFFINE_GROUPS = (32, 64, 128)
+KINDS = ("fp", "affine", "turbo")
+NAMES_HELP = "fp, affine8, affine4[:g32|g64|g128], turbo-kKvV (K,V in 2,3,4,8)[,fp-edges][,fp-sliding]"
+
+
+class VectorCodec(Protocol):
+    """How one tensor (keys or values) of a layer is stored and read back."""
+
+    kind: str
+    span_append_safe: bool
+
+    def encode(self, x: mx.array) -> tuple[mx.array, ...]: ...
+
+    def decode(self, parts: tuple[mx.array, ...], dtype: mx.Dtype) -> mx.array:
+        """Vectors in the codec's attention space (rotated for turbo)."""
+        ...
+
+    def rotate(self, x: mx.array) -> mx.array: ...
+
+    def unrotate(self, x: mx.array) -> mx.array: ...
+
+    def bytes_per_vector(self, dim: int) -> float: ...
+
+    def check(self, dim: int) -> str | None:
+        """Why this codec cannot store vectors of `dim` (None: it can)."""
+        ...
+
+
+class FpCodec:
+    kind = "fp"
+    span_append_safe = True
+
+    def encode(self, x: mx.array) -> tuple[mx.array, ...]:
+        return (x,)
+
+    def decode(self, parts: tuple[mx.array, ...], dtype: mx.Dtype) -> mx.array:
+        return parts[0]
+
+    def rotate(self, x: mx.array) -> mx.array:
+        return x
+
+    def unrotate(self, x: mx.array) -> mx.array:
+        return x
+
+    def bytes_per_vector(self, dim: int, itemsize: int = 4) -> float:
+        return dim * itemsize
+
+    def check(self, dim: int) -> str | None:
+        return None
+
+
+@dataclass(frozen=True)
+class AffineCodec:
+    bits: int
+    group: int = 64
+    kind = "affine"
+    span_append_safe = True
+
+    def encode(self, x: mx.array) -> tuple[mx.array, ...]:
+        w, s, b = mx.quantize(x.astype(mx.float16), group_size=self.group, bits=self.bits)
+        return (w, s, b)
+
+    def decode(self, parts: tuple[mx.array, ...], dtype: mx.Dtype) -> mx.array:
+        w, s, b = parts
+        return mx.dequantize(w, s, b, group_size=self.group, bits=self.bits).astype(dtype)
+
+    def rotate(self, x: mx.array) -> mx.array:
+        return x
+
+    def unrotate(self, x: mx.array) -> mx.array:
+        return x
+
+    def bytes_per_vector(self, dim: int) -> float:
+        return dim * self.bits / 8 + dim // self.group * 4
+
+    def check(self, dim: int) -> str | None:
+        if dim % self.group or (dim * self.bits) % 32:
+            return f"head dim {dim} is not a multiple of the group size {self.group}"
+        return None
+
+
+@functools.lru_cache(maxsize=64)
+def lloyd_max(dim: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Lloyd-Max levels and boundaries for one coordinate of a random unit vector in R^dim.
+
+    The coordinate's density is proportional to (1 - x^2)^((dim - 3) / 2) on [-1, 1]
+    (≈ N(0, 1/dim)). Computed once per (dim, bits) on a fine grid.
+    """
+    n = 1 << bits
+    grid = np.linspace(-1.0, 1.0, 1 << 18)
+    dens = np.clip(1.0 - grid * grid, 0.0, None) ** ((dim - 3) / 2) if dim > 3 else np.ones_like(grid)
+    mass = np.cumsum(dens)
+    moment = np.cumsum(dens * grid)
+    cdf = mass / mass[-1]
+    levels = np.interp((np.arange(n) + 0.5) / n, cdf, grid)  # start at quantiles
+    for _ in range(300):
+        bounds = (levels[1:] + levels[:-1]) / 2
+        cut = np.concatenate([[0], np.searchsorted(grid, bounds), [len(grid)]])
+        m = np.diff(np.concatenate([[0.0], mass])[cut])
+        s = np.diff(np.concatenate([[0.0], moment])[cut])
+        new = np.where(m > 0, s / np.maximum(m, 1e-300), levels)
+        if np.max(np.abs(new - levels)) < 1e-9:
+            levels = new
+            break
+        levels = new
+    levels = np.sort(levels)
+    return levels.astype(np.float32), ((levels[1:] + levels[:-1]) / 2).astype(np.float32)
+
+
+@functools.lru_cache(maxsize=256)
+def random_signs(seed: int, dim: int) -> np.ndarray:
+    return np.where(np.random.default_rng(seed).random(dim) < 0.5, -1.0, 1.0).astype(np.float32)
+
+
+@functools.lru_cache(maxsize=16)
+def _pack_plan(bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Shift tables to pack 8 `bits`-bit indices into `bits` bytes (and read them back)."""
+    pos = np.arange(8)[:, None] * bits - 8 * np.arange(bits)[None, :]  # bit of value k in byte j
+    touches = (pos > -bits) & (pos < 8)
+    left = np.where(touches & (pos >= 0), pos, 0)
+    right = np.where(touches & (pos < 0), -pos, 0)
+    start = np.arange(8) * bits
+    byte0, off = start // 8, start % 8
+    byte1 = np.minimum(byte0 + 1, bits - 1)
+    return touches, left, right, np.stack([byte0, byte1]), off
+
+
+def pack_indices(idx: mx.array, bits: int) -> mx.array:
+    """(..., D) indices < 2^bits (D % 8 == 0) -> (..., D * bits / 8) uint8."""
+    if bits == 8:
+        return idx.astype(mx.uint8)
+    touches, left, right, _, _ = _pack_plan(bits)
+    v = idx.astype(mx.uint32).reshape(*idx.shape[:-1], -1, 8, 1)
+    part = (v << mx.array(left, mx.uint32)) >> mx.array(right, mx.uint32)
+    part = mx.where(mx.array(touches), part & 0xFF, 0)
+    return part.sum(axis=-2).astype(mx.uint8).reshape(*idx.shape[:-1], -1)
+
+
+def unpack_indices(packed: mx.array, bits: int) -> mx.array:
+    """The inverse of pack_indices: (..., D * bits / 8) uint8 -> (..., D) uint32."""
+    if bits == 8:
+        return packed.astype(mx.uint32)
+    _, _, _, which, off = _pack_plan(bits)
+    b = packed.astype(mx.uint32).reshape(*packed.shape[:-1], -1, bits)
+    lo = mx.take(b, mx.array(which[0]), axis=-1) >> mx.array(off, mx.uint32)
+    hi = mx.take(b, mx.array(which[1]), axis=-1) << mx.array(8 - off, mx.uint32)
+    straddle = mx.array(off + bits > 8)
+    v = (lo | mx.where(straddle, hi, 0)) & ((1 << bits) - 1)
+    return v.reshape(*packed.shape[:-1], -1)
+
+
+@dataclass(frozen=True)
+class TurboCodec:
+    """TurboQuant (MSE variant): norm in float16, rotated direction by a Lloyd-Max codebook.
+
+    The stored norm is ||x|| / ||decoded unit direction||, so a decoded vector keeps
+    the original's length.
+    """
+
+    bits: int
+    seed: int
+    kind = "turbo"
+    span_append_safe = True
+
+    def _signs(self, dim: int) -> mx.array:
+        return mx.array(random_signs(self.seed, dim))
+
+    def rotate(self, x: mx.array) -> mx.array:
+        d = x.shape[-1]
+        y = mx.hadamard_transform(x.astype(mx.float32) * self._signs(d), scale=1 / math.sqrt(d))
+        return y.astype(x.dtype)
+
+    def unrotate(self, x: mx.array) -> mx.array:
+        d = x.shape[-1]
+        y = mx.hadamard_transform(x.astype(mx.float32), scale=1 / math.sqrt(d)) * self._signs(d)
+        return y.astype(x.dtype)
+
+    def encode(self, x: mx.array) -> tuple[mx.array, ...]:
+        d = x.shape[-1]
+        levels, bounds = lloyd_max(d, self.bits)
+        x32 = x.astype(mx.float32)
+        norm = mx.sqrt(mx.sum(x32 * x32, axis=-1, keepdims=True))
+        unit = self.rotate(x32 / mx.maximum(norm, 1e-30))
+        idx = mx.sum(unit[..., None] > mx.array(bounds), axis=-1)
+        approx = mx.array(levels)[idx]
+        length = mx.sqrt(mx.sum(approx * approx, axis=-1, keepdims=True))
+        scale = (norm / mx.maximum(length, 1e-30)).astype(mx.float16)
+        return (pack_indices(idx, self.bits), scale)
+
+    def decode(self, parts: tuple[mx.array, ...], dtype: mx.Dtype) -> mx.array:
+        packed, scale = parts
+        d = packed.shape[-1] * 8 // self.bits
+        levels, _ = lloyd_max(d, self.bits)
+        return (mx.array(levels)[unpack_indices(packed, self.bits)] * scale).astype(dtype)
+
+    def bytes_per_vector(self, dim: int) -> float:
+        return dim * self.bits / 8 + 2
+
+    def check(self, dim: int) -> str | None:
+        if dim < 8 or dim & (dim - 1):
+            return f"head dim {dim} is not a power of two >= 8 (the Hadamard rotation)"
+        return None
+
+
+@dataclass(frozen=True)
+class KVCodec:
+    """One layer's codec: keys and values (they may differ, e.g. turbo-k8v4)."""
+
+    name: str
+    key: VectorCodec
+    value: VectorCodec
+
+    @property
+    def span_append_safe(self) -> bool:
+        return self.key.span_append_safe and self.value.span_append_safe
+
+    @property
+    def is_fp(self) -> bool:
+        return self.key.kind == "fp" and self.value.kind == "fp"
+
+    def bytes_per_token(self, kv_heads: int, key_dim: int, value_dim: int) -> float:
+        return kv_heads * (self.key.bytes_per_vector(key_dim) + self.value.bytes_per_vector(value_dim))
+
+
+FP = KVCodec("fp", FpCodec(), FpCodec())
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    """A parsed codec name: the base codec and the per-layer options."""
+
+    name: str
+    kind: str
+    key_bits: int = 32
+    value_bits: int = 32
+    group: int = 64
+    fp_edges: bool = False
+    fp_sliding: bool = False
+
+    def for_layer(self, layer: int, window: int | None, edge: bool) -> KVCodec:
+        """Cache layer `layer`'s codec; window: a sliding layer's; edge: the first or last
+        attention layer. The turbo rotation's seed is fixed per layer."""
+        if self.kind == "fp" or (self.fp_edges and edge) or (self.fp_sliding and window):
+            return FP
+        if self.kind == "affine":
+            c = AffineCodec(self.key_bits, self.group)
+            return KVCodec(self.name, c, c)
+        seed = 0x7A11 + 2 * layer
+        return KVCodec(
+            self.name, TurboCodec(self.key_bits, seed), TurboCodec(self.value_bits, seed + 1)
+        )
+
+
+_BASE = re.compile(r"^(?:(fp)|affine(\d+)(?::g(\d+))?|turbo-k(\d+)v(\d+))$")
+
+
+def parse_codec(text: str) -> CodecSpec:
+    """A codec name -> CodecSpec; ValueError naming the accepted names otherwise."""
+    head, *options = [t.strip() for t in str(text).strip().lower().split(",")]
+    m = _BASE.match(head)
+    bad = [o for o in options if o not in ("fp-edges", "fp-sliding")]
+    if m is None or bad:
+        raise ValueError(f"unknown kv codec {text!r}; known: {NAMES_HELP}")
+    flags = {"fp_edges": "fp-edges" in options, "fp_sliding": "fp-sliding" in options}
+    if m.group(1):
+        return CodecSpec("fp", "fp")
+    if m.group(2):
+        bits, group = int(m.group(2)), int(m.group(3) or 64)
+        if bits not in AFFINE_BITS or group not in AFFINE_GROUPS:
+            raise ValueError(
+                f"kv codec {text!r}: affine bits must be one of {AFFINE_BITS} and the group "
+                f"size one of {AFFINE_GROUPS}"
+            )
+        name = ",".join([f"affine{bits}:g{group}", *options])
+        return CodecSpec(name, "affine", bits, bits, group, **flags)
+    k, v = int(m.group(4)), int(m.group(5))
+    if k not in TURBO_BITS or v not in TURBO_BITS:
+        raise ValueError(f"kv codec {text!r}: turbo key/value bits must be in {TURBO_BITS}")
+    return CodecSpec(",".join([f"turbo-k{k}v{v}", *options]), "turbo", k, v, **flags)
+
+
+def codec_from_flags(codec: str | None, bits: int | None, group: int | None) -> str | None:
+    """`--kv-codec` or mlx-lm's `--kv-bits`/`--kv-group-size` spelling -> a codec name."""
+    if bits is None:
+        if group is not None:
+            raise ValueError("--kv-group-size needs --kv-bits")
+        return codec
+    if codec is not None:
+        raise ValueError("give either --kv-codec or --kv-bits, not both")
+    name = f"affine{bits}:g{group or 64}"
+    parse_codec(name)
+    return name
+
+
+def check_dims(
+    spec: CodecSpec, layer: int, codec: KVCodec, key_dim: int, value_dim: int,
+    declared: tuple[str, ...] | None = None,
+) -> None:
+    """ValueError unless `codec` (layer `layer` of `spec`) can store this layer's K/V."""
+    if declared is not None and spec.kind not in declared:
+        raise ValueError(
+            f"this model supports the kv codecs {', '.join(declared)}; not {spec.name!r}"
+        )
+    for what, c, dim in (("key", codec.key, key_dim), ("value", codec.value, value_dim)):
+        why = c.check(dim)
+        if why:
+            raise ValueError(f"kv codec {spec.name!r} cannot store layer {layer}'s {what}s: {why}")
+    if not codec.span_append_safe:
+        raise ValueError(
+            f"kv codec {codec.name!r} is not span-append-safe: the rows engine appends verify "
+            "blocks and prefill chunks whole, and their committed K/V must not depend on that"
+        )
+
+
+def span_append_mismatch(codec: VectorCodec, x: mx.array) -> bool:
+    """Whether encoding the span x (B, H, L, D) differs, bitwise, from its L one-token encodes."""
+    whole = codec.encode(x)
+    singles = [codec.encode(x[:, :, i : i + 1]) for i in range(x.shape[2])]
+    for j, part in enumerate(whole):
+        joined = mx.concatenate([s[j] for s in singles], axis=2)
+        if part.dtype != joined.dtype or not mx.array_equal(part, joined).item():
+            return True
+    return False

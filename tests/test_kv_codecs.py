@@ -1,0 +1,239 @@
+"""KV codecs: every codec is span-append-safe (a span's encode == its tokens' encodes, bitwise)
+and a per-span-scale codec is caught; names are validated before any state; under each codec
+a row's attention and tokens are the same alone, batched, after rewind, and speculative."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_tandem import SamplingParams
+from mlx_tandem.drafters.prompt_lookup import PromptLookupSource
+from mlx_tandem.engine.config import RuntimeConfig
+from mlx_tandem.engine.core import EngineCore
+from mlx_tandem.engine.runner import ModelRunner
+from mlx_tandem.kv.codec import (
+    AffineCodec,
+    KVCodec,
+    codec_from_flags,
+    lloyd_max,
+    pack_indices,
+    parse_codec,
+    span_append_mismatch,
+    unpack_indices,
+)
+from mlx_tandem.kv.row_cache import RowKVCache
+
+from conftest import run_with_gaps
+
+CODECS = ("affine8:g32", "affine4:g32", "turbo-k8v4", "turbo-k4v4", "turbo-k3v2", "turbo-k2v3")
+
+
+@dataclass(frozen=True)
+class SpanScaleAffine(AffineCodec):
+    """Deliberately unsafe: one scale per appended span (its max |x|), not per vector."""
+
+    span_append_safe = True  # the lie span_append_mismatch must catch
+
+    def encode(self, x: mx.array) -> tuple[mx.array, ...]:
+        scale = mx.max(mx.abs(x), axis=(2, 3), keepdims=True) + 1e-6
+        w, s, b = super().encode(x / scale)
+        return (w, s, b, mx.broadcast_to(scale, (*x.shape[:3], 1)).astype(mx.float16))
+
+    def decode(self, parts: tuple[mx.array, ...], dtype: mx.Dtype) -> mx.array:
+        return super().decode(parts[:3], dtype) * parts[3].astype(dtype)
+
+
+def vectors(shape: tuple[int, ...], seed: int) -> mx.array:
+    return mx.random.normal(shape, key=mx.random.key(seed)) * 3.0
+
+
+@pytest.mark.parametrize("name", CODECS)
+@pytest.mark.parametrize("dim", [32, 64, 256])
+def test_every_codec_is_span_append_safe_bitwise(name, dim):
+    codec = parse_codec(name).for_layer(3, None, edge=False)
+    x = vectors((2, 3, 5, dim), seed=dim)
+    assert codec.span_append_safe
+    assert not span_append_mismatch(codec.key, x) and not span_append_mismatch(codec.value, x)
+
+
+def test_a_per_span_scale_codec_is_caught():
+    x = vectors((2, 3, 5, 64), seed=1)
+    assert span_append_mismatch(SpanScaleAffine(4, 32), x)
+
+
+def test_the_span_check_matters_for_the_cache():
+    """With the unsafe codec, a 5-token block's attention differs from one token at a time."""
+    unsafe = SpanScaleAffine(4, 32)
+    codec = KVCodec("unsafe", unsafe, unsafe)
+    q, k, v = (vectors((1, 4, 5, 32), s) for s in (1, 2, 3))
+    block = RowKVCache(codec=codec)
+    block.ends = [0]
+    mask = block.make_mask(5)
+    out = block.attend(q, *block.update_and_fetch(k, v), scale=0.2, mask=mask)
+    single = RowKVCache(codec=codec)
+    single.ends = [0]
+    steps = []
+    for i in range(5):
+        mask = single.make_mask(1)
+        kv = single.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
+        steps.append(single.attend(q[:, :, i : i + 1], *kv, scale=0.2, mask=mask))
+    assert not mx.array_equal(out, mx.concatenate(steps, axis=2)).item()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_packing_round_trips(bits):
+    idx = mx.random.randint(0, 1 << bits, (2, 3, 4, 64), key=mx.random.key(bits)).astype(mx.uint32)
+    packed = pack_indices(idx, bits)
+    assert packed.dtype == mx.uint8 and packed.shape[-1] == 64 * bits // 8
+    assert mx.array_equal(unpack_indices(packed, bits), idx).item()
+
+
+def test_lloyd_max_matches_the_gaussian_codebook():
+    levels, _ = lloyd_max(128, 2)  # ≈ ±0.453/√d, ±1.51/√d (SPEC_REFERENCE §2)
+    assert np.allclose(levels * np.sqrt(128), [-1.51, -0.453, 0.453, 1.51], atol=0.01)
+
+
+@pytest.mark.parametrize("name,bound", [("turbo-k8v8", 1e-3), ("turbo-k4v4", 0.012),
+                                        ("turbo-k3v3", 0.04), ("turbo-k2v2", 0.13),
+                                        ("affine4", 0.012), ("affine8", 1e-4)])
+def test_reconstruction_error_is_near_the_paper(name, bound):
+    codec = parse_codec(name).for_layer(0, None, edge=False)
+    x = vectors((1, 4, 64, 64), seed=7)
+    back = codec.key.unrotate(codec.key.decode(codec.key.encode(x), mx.float32))
+    assert (mx.sum((back - x) ** 2) / mx.sum(x * x)).item() < bound
+
+
+def test_bytes_per_token():
+    assert parse_codec("affine4").for_layer(0, None, False).bytes_per_token(3, 64, 64) == 3 * 2 * 36
+    assert parse_codec("turbo-k8v4").for_layer(0, None, False).bytes_per_token(1, 64, 64) == 66 + 34
+    assert parse_codec("fp").for_layer(0, None, False).bytes_per_token(1, 64, 64) == 512
+
+
+@pytest.mark.parametrize("bad", ["turbo-k5v4", "affine7", "affine4:g48", "fp8", "turbo-k8v4,x"])
+def test_unknown_codecs_are_refused_before_any_state(bad):
+    with pytest.raises(ValueError, match="kv codec"):
+        RuntimeConfig.resolve(environ={}, kv_codec=bad)
+
+
+def test_mlx_lm_flag_spelling():
+    assert codec_from_flags(None, 4, 32) == "affine4:g32"
+    assert codec_from_flags(None, 8, None) == "affine8:g64"
+    assert codec_from_flags("turbo-k8v4", None, None) == "turbo-k8v4"
+    with pytest.raises(ValueError):
+        codec_from_flags("fp", 4, None)
+    with pytest.raises(ValueError):
+        codec_from_flags(None, None, 32)
+
+
+def test_a_model_whose_head_dim_a_codec_cannot_store_is_refused(tiny_model):
+    model = tiny_model("llama")  # head dim 16: no affine group fits
+    with pytest.raises(ValueError, match="group size"):
+        ModelRunner(model, kv_codec="affine4")
+    ModelRunner(model, kv_codec="turbo-k4v4")  # fine
+
+
+def test_a_family_declaration_is_honoured(tiny_model):
+    model = tiny_model("llama", head_dim=32)
+    model.kv_codecs = ("fp", "affine")
+    try:
+        with pytest.raises(ValueError, match="supports the kv codecs"):
+            ModelRunner(model, kv_codec="turbo-k8v4")
+        ModelRunner(model, kv_codec="affine8:g32")
+    finally:
+        del model.kv_codecs
+
+
+def test_per_layer_plan(tiny_model):
+    runner = ModelRunner(tiny_model("gemma3_text", head_dim=32), kv_codec="turbo-k4v4,fp-sliding")
+    kinds = [(c.window, c.codec.name) for c in runner.empty_rows().leaves()]
+    assert all((w is None) == (n != "fp") for w, n in kinds) and any(w is None for w, _ in kinds)
+    runner = ModelRunner(tiny_model("llama", head_dim=32), kv_codec="affine8:g32,fp-edges")
+    names = [c.codec.name for c in runner.empty_rows().leaves()]
+    assert names[0] == names[-1] == "fp" and set(names[1:-1]) == {"affine8:g32,fp-edges"}
+
+
+# --- the cache and the engine under each codec ------------------------------------------
+@pytest.mark.parametrize("name", ["affine4:g32", "turbo-k3v4"])
+def test_a_row_attends_the_same_alone_batched_and_after_rewind(name):
+    codec = parse_codec(name).for_layer(1, None, edge=False)
+    lens = [3, 40, 300]
+
+    def filled() -> RowKVCache:
+        rows = []
+        for i, n in enumerate(lens):
+            c = RowKVCache(codec=codec)
+            c.ends = [0]
+            c.update_and_fetch(vectors((1, 2, n, 32), i), vectors((1, 2, n, 32), 10 + i))
+            rows.append(c)
+        return RowKVCache.merge(rows)
+
+    def step(cache, k, v, q):
+        mask = cache.make_mask(k.shape[2])
+        return cache.attend(q, *cache.update_and_fetch(k, v), scale=0.2, mask=mask)
+
+    q, k, v = vectors((3, 4, 3, 32), 20), vectors((3, 2, 3, 32), 21), vectors((3, 2, 3, 32), 22)
+    batched = filled()
+    out = step(batched, k, v, q)
+    for i in range(len(lens)):
+        alone = batched.take_rows([i])
+        alone.set_ends([lens[i]])
+        one_by_one = [step(alone, k[i : i + 1, :, j : j + 1], v[i : i + 1, :, j : j + 1],
+                           q[i : i + 1, :, j : j + 1]) for j in range(3)]
+        assert mx.array_equal(mx.concatenate(one_by_one, axis=2), out[i : i + 1]).item(), i
+    batched.set_ends(lens)
+    assert mx.array_equal(step(batched, k, v, q), out).item()
+    keys, _ = batched.fetch(512)  # decoded in the model's space (the assistant reads this)
+    assert keys.shape == (3, 2, 512, 32)
+    assert (mx.abs(keys[2, :, 300:303] - k[2]).max() / mx.abs(k).max()).item() < 0.2
+
+
+def _prompts(n: int, seed: int = 0):
+    rng = random.Random(seed)
+    prompts, params = [], []
+    for _ in range(n):
+        base = [rng.randrange(3, 250) for _ in range(rng.choice([1, 5, 12, 30]))]
+        prompts.append(base + base[:6] * 2)
+        params.append(SamplingParams(max_tokens=rng.randrange(4, 12)))
+    return prompts, params
+
+
+@pytest.mark.parametrize(
+    "arch,name",
+    [("llama", "affine4:g32"), ("llama", "turbo-k8v4"), ("gemma3_text", "turbo-k3v4"),
+     ("qwen3", "affine8:g32,fp-edges")],
+)
+def test_speculative_equals_plain_and_batched_equals_alone(tiny_model, arch, name):
+    model = tiny_model(arch, head_dim=32)
+    cfg = RuntimeConfig.resolve(environ={}, prefill_chunk=16, kv_codec=name)
+    prompts, params = _prompts(6)
+    plain = [r.tokens for r in run_with_gaps(EngineCore(model, cfg), prompts, params, 1)]
+    spec = EngineCore(model, cfg, drafter=PromptLookupSource())
+    assert [r.tokens for r in run_with_gaps(spec, prompts, params, 2)] == plain
+    assert sum(spec.stats.accepted.values()) > 0  # blocks of several tokens were committed
+    alone = [
+        run_with_gaps(EngineCore(model, cfg), [p], [sp], 3)[0].tokens
+        for p, sp in zip(prompts[:3], params[:3], strict=True)
+    ]
+    assert alone == plain[:3]
+    assert name in {c.codec.name for c in spec.runner.empty_rows().leaves()}  # really in use
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["turbo-k8v4", "affine4:g64"])
+def test_smollm2_speculative_and_batched_are_exact(real_model, name):
+    model = real_model("smollm2-135m", "float32")
+    cfg = RuntimeConfig.resolve(environ={}, prefill_chunk=64, kv_codec=name)
+    questions = ["What is the capital of France? The capital of France is",
+                 "List the first five prime numbers: 2, 3,", "def fibonacci(n):"]
+    prompts = [model.encode(q) for q in questions]
+    params = [SamplingParams(max_tokens=16) for _ in prompts]
+    plain = [r.tokens for r in run_with_gaps(EngineCore(model, cfg), prompts, params, 1)]
+    spec = EngineCore(model, cfg, drafter=PromptLookupSource())
+    assert [r.tokens for r in run_with_gaps(spec, prompts, params, 2)] == plain
+    alone = run_with_gaps(EngineCore(model, cfg), prompts[:1], params[:1], 3)[0].tokens
+    assert alone == plain[0]
