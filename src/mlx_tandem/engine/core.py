@@ -57,7 +57,9 @@ class EngineCore:
         self.model = model
         self.config = config or RuntimeConfig.resolve()
         check_engine(model.config, speculative=drafter is not None)  # models/families.py
-        self.runner = ModelRunner(model, batch_invariant=self.config.batch_invariant)
+        self.runner = ModelRunner(
+            model, batch_invariant=self.config.batch_invariant, kv_codec=self.config.kv_codec
+        )
         if drafter is not None and self.runner.recurrent_layers():
             raise ValueError(recurrent_refusal(model.config))
         self.drafter = drafter
