@@ -113,6 +113,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="exact batch invariance (default True; False is faster at small batch)",
     )
+    p.add_argument(
+        "--kv-codec",
+        default=None,
+        help="how rows store K/V: fp (default), affine8, affine4[:g32], turbo-kKvV "
+        "(K,V bits in 2,3,4,8), optionally ,fp-edges / ,fp-sliding (docs/BENCHMARKS.md)",
+    )
+    p.add_argument("--kv-bits", type=int, default=None, help="mlx-lm spelling: --kv-codec affine<B>")
+    p.add_argument("--kv-group-size", type=int, default=None, help="with --kv-bits (default 64)")
 
 
 def add_draft_flags(p: argparse.ArgumentParser) -> None:
@@ -135,12 +143,18 @@ def add_draft_flags(p: argparse.ArgumentParser) -> None:
 
 def runtime_config(args: argparse.Namespace):
     from mlx_tandem.engine.config import RuntimeConfig, parse_bytes
+    from mlx_tandem.kv.codec import codec_from_flags
 
+    kv_codec = codec_from_flags(
+        getattr(args, "kv_codec", None), getattr(args, "kv_bits", None),
+        getattr(args, "kv_group_size", None),
+    )
     return RuntimeConfig.resolve(
         max_rows=args.max_rows,
         prefill_chunk=args.prefill_chunk,
         memory_budget=parse_bytes(args.memory_budget) if args.memory_budget else None,
         batch_invariant=args.batch_invariant,
+        kv_codec=kv_codec,
     )
 
 
