@@ -122,3 +122,93 @@ def test_names_that_are_not_repo_ids_are_not_sent_to_the_hub(hub):
         loader.load("no-such-model")
     with pytest.raises(ValueError, match="unknown model"):
         loader.load("./a/b/c")
+
+
+# --- MLX-quantized folders (mlx_lm.convert's output, built with mlx-lm's own utilities) ---
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """bits -> an MLX-quantized copy of a tiny llama, as `mlx_lm.convert -q` writes it."""
+    from mlx_lm.utils import load as mlx_lm_load
+    from mlx_lm.utils import quantize_model, save
+
+    root = tmp_path_factory.mktemp("quantized")
+    source = make_tiny_model("llama", root / "source")
+    out = {}
+    for bits in (4, 8):
+        model, tokenizer, config = mlx_lm_load(str(source), return_config=True)
+        model, config = quantize_model(model, config, group_size=64, bits=bits)
+        save(root / f"q{bits}", source, model, tokenizer, config)
+        out[bits] = root / f"q{bits}"
+    return out
+
+
+def _param_bytes(model) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_quantized_folder_runs_batch_invariant_in_the_rows_engine(quantized, bits):
+    import mlx.nn as nn
+
+    from mlx_tandem import SamplingParams
+    from mlx_tandem.engine.config import RuntimeConfig
+    from mlx_tandem.engine.core import EngineCore
+
+    from conftest import run_with_gaps
+
+    m = loader.load(quantized[bits], dtype="native", progress=False)
+    assert any(isinstance(x, nn.QuantizedLinear) for _, x in m.model.named_modules())
+    assert loader.weight_bytes(m.path, "native") == _param_bytes(m.model)
+    cfg = RuntimeConfig.resolve(environ={}, prefill_chunk=16)
+    prompts = [[5, 6, 7], list(range(3, 40)), [9] * 11, [200, 100, 50, 25]]
+    params = [SamplingParams(max_tokens=n) for n in (8, 5, 11, 7)]
+    alone = []
+    for p, sp in zip(prompts, params, strict=True):
+        engine = EngineCore(m, cfg)
+        handle = engine.submit(p, sp)
+        engine.run_until_idle()
+        alone.append(handle.result().tokens)
+    assert len({t for a in alone for t in a}) > 4
+    batched = run_with_gaps(EngineCore(m, cfg), prompts, params, seed=bits)
+    assert [r.tokens for r in batched] == alone
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_float32_dequantizes_a_quantized_folder(quantized, bits):
+    import mlx.nn as nn
+
+    m = loader.load(quantized[bits], dtype="float32", progress=False)
+    assert not any(
+        isinstance(x, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, x in m.model.named_modules()
+    )
+    assert m.model.model.layers[0].self_attn.q_proj.weight.dtype == mx.float32
+    assert loader.weight_bytes(m.path, "float32") == _param_bytes(m.model)
+    native = loader.weight_bytes(m.path, "native")
+    assert loader.weight_bytes(m.path, "float32") > native
+    # the memory check counts the weights in the dtype they will have
+    loader.check_fits(m.path, "q", "native", kv_budget=0, memory=native)
+    with pytest.raises(ValueError, match=r"as float32 \(--dtype native keeps its quantization\)"):
+        loader.check_fits(m.path, "q", "float32", kv_budget=0, memory=native)
+
+
+# --- the memory check, before any weight is read ---
+def test_a_model_that_does_not_fit_is_refused_before_loading(tmp_path, monkeypatch):
+    folder = make_tiny_model("llama", tmp_path / "tiny")
+    weights = loader.weight_bytes(folder)
+    monkeypatch.setattr(loader, "device_memory", lambda: weights + (100 << 20))
+
+    def never(*args, **kwargs):
+        raise AssertionError("weights were read")
+
+    monkeypatch.setattr(loader, "mlx_lm_load", never)
+    mib = f"{weights / (1 << 20):.1f} MiB"
+    with pytest.raises(ValueError, match=rf"'tiny' does not fit: its weights need {mib} as native "
+                       r"\(from the safetensors headers\) \+ 256\.0 MiB KV-cache budget = .* MiB, "
+                       r"more than the device's .* MiB"):
+        loader.load(folder, dtype="native", progress=False)
+    with pytest.raises(ValueError, match=r"\+ 100\.0 MiB KV-cache budget"):  # the budget counts
+        loader.load(folder, dtype="native", progress=False, kv_budget=(100 << 20) + 1)
+    monkeypatch.undo()
+    assert loader.load(folder, dtype="native", progress=False, kv_budget=1).name == "tiny"

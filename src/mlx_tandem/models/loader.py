@@ -236,13 +236,16 @@ def check_fits(
     kv = kv_budget if kv_budget is not None else MIN_KV_BYTES
     memory = memory if memory is not None else device_memory()
     if weights + kv > memory:
-        gib = 1 << 30
         hint = " (--dtype native keeps its quantization)" if dtype == "float32" else ""
         raise ValueError(
-            f"model {name!r} does not fit: its weights need {weights / gib:.2f} GiB as {dtype}"
-            f"{hint} (from the safetensors headers) + {kv / gib:.2f} GiB KV-cache budget = "
-            f"{(weights + kv) / gib:.2f} GiB, more than the device's {memory / gib:.2f} GiB"
+            f"model {name!r} does not fit: its weights need {_size(weights)} as {dtype}{hint} "
+            f"(from the safetensors headers) + {_size(kv)} KV-cache budget = "
+            f"{_size(weights + kv)}, more than the device's {_size(memory)}"
         )
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
 def prepared_dir(key: str, dtype: str) -> Path:
