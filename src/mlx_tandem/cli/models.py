@@ -1,6 +1,8 @@
-"""`tandem models`: the built-in catalogue, what is fetched and what is prepared.
+"""`tandem models`: the built-in catalogue, what is fetched and what is prepared, and which
+model families the rows engine runs (models/families.py). Any mlx-lm folder, .gguf file or
+Hugging Face repo id loads too.
 
-Oracle: tests/test_cli.py (test_doctor_and_models).
+Oracle: tests/test_cli.py (test_doctor_and_models), tests/test_families.py.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from mlx_tandem.models import catalogue
+from mlx_tandem.models.families import FAMILIES
 from mlx_tandem.models.loader import prepared_models
 
 
@@ -37,4 +40,9 @@ def run(args: argparse.Namespace) -> int:
         print("other prepared models:")
         for p in others:
             print(f"  {p}")
+    print("model families (mlx-lm model_type: what the rows engine runs):")
+    for f in FAMILIES.values():
+        batched = "batched ✓" if f.batched is None else f"rows engine ✗ (plain path only): {f.batched}"
+        spec = "" if f.batched else "speculation ✓" if f.speculation is None else "no speculation"
+        print(f"  {f.name:<12} {batched}{'  ' + spec if spec else ''}")
     return 0

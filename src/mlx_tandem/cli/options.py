@@ -20,7 +20,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help=f"mlx-lm folder, .gguf file or catalogue name (default: {DEFAULT_MODEL})",
+        help=f"mlx-lm folder (MLX-quantized too), .gguf file, catalogue name or Hugging Face "
+        f"repo id, e.g. mlx-community/Qwen3-0.6B-4bit (default: {DEFAULT_MODEL})",
     )
     p.add_argument(
         "--dtype",
