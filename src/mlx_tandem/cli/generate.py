@@ -89,7 +89,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--engine plain runs one prompt; use --engine rows for a batch")
     if args.engine == "plain" and args.draft_model:
         raise ValueError("--draft-model needs the rows engine (drop --engine plain)")
-    use_rows = args.engine == "rows" or len(texts) > 1 or bool(args.draft_model)
+    if args.engine == "plain" and args.grammar is not None:
+        raise ValueError("--json-schema needs the rows engine (drop --engine plain)")
+    use_rows = (
+        args.engine == "rows" or len(texts) > 1 or bool(args.draft_model) or bool(args.grammar)
+    )
     config = runtime_config(args) if use_rows else None
     model = load(args.model, dtype=args.dtype, progress=not args.json)
     params = sampling_params(args, model.tokenizer)

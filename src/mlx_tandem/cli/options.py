@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
-from mlx_tandem.engine.sampling import SamplingParams, knobs
+from mlx_tandem.engine.sampling import Grammar, SamplingParams, knobs
 from mlx_tandem.models.catalogue import DEFAULT_MODEL
 from mlx_tandem.models.loader import DTYPES
 
@@ -49,6 +50,8 @@ def add_sampling_flags(
             p.add_argument(*k.flags, dest=name, action="append", default=list(default), help=help_)
         elif k.kind == "bias":
             p.add_argument(*k.flags, dest=name, type=json.loads, default=None, help=help_)
+        elif k.kind == "grammar":
+            p.add_argument(*k.flags, dest=name, type=_json_schema, default=None, help=help_)
         else:
             kind = int if k.kind == "int" else float
             p.add_argument(*k.flags, dest=name, type=kind, default=default, help=help_)
@@ -76,6 +79,22 @@ def sampling_values(args: argparse.Namespace) -> dict[str, Any]:
             value = None
         values[name] = value
     return values
+
+
+def _json_schema(text: str) -> Grammar:
+    """--json-schema: a JSON schema given inline or as a file path ('object': any object)."""
+    if text == "object":
+        return Grammar("json_object")
+    path = Path(text)
+    if not text.lstrip().startswith(("{", "[")) and path.is_file():
+        text = path.read_text(encoding="utf-8")
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not a JSON schema or a schema file: {err}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise argparse.ArgumentTypeError("a JSON schema is an object or a boolean")
+    return Grammar("json_schema", json.dumps(schema))
 
 
 def _logit_bias(bias: Any) -> dict[int, float]:

@@ -32,6 +32,7 @@ import time
 import mlx.core as mx
 
 from mlx_tandem.engine.config import RuntimeConfig
+from mlx_tandem.engine.constraint import GrammarCompiler, grammar_masks
 from mlx_tandem.engine.depth import DepthPolicy, FixedDepth
 from mlx_tandem.engine.draft_source import Drafts, DraftSource
 from mlx_tandem.engine.postprocess import accept_tokens
@@ -65,6 +66,9 @@ class EngineCore:
         self.drafter = drafter
         self.depth = depth or FixedDepth(3)
         self.stats = EngineStats()
+        self.grammars = GrammarCompiler(
+            model.tokenizer._tokenizer, model.graph.vocab_size, model.eos_token_ids
+        )
         budget = self.config.memory_budget or default_budget(model)
         device = "cpu" if mx.default_device() == mx.cpu else "gpu"
         self.prefill_policy = PrefillPolicy.resolve(model.config, self.config, budget, device)
@@ -83,7 +87,7 @@ class EngineCore:
         queued: int = 0,
     ) -> Request:
         """Validate (ValueError; QueueFull counting `queued` not yet added) without changing state."""
-        request = new_request(self.model, prompt, params, request_id)
+        request = new_request(self.model, prompt, params, request_id, self.grammars)
         self.scheduler.check(request, queued)
         return request
 
@@ -150,7 +154,17 @@ class EngineCore:
         if self.drafter is None:
             return Drafts([[]] * B, [None] * B)
         depths = self.depth.depths(self.running, self.drafter.samples)
-        return self.drafter.draft(self.running, depths, self.rows)
+        drafts = self.drafter.draft(self.running, depths, self.rows)
+        if all(r.grammar is None for r in self.running):
+            return drafts
+        keep = [  # proposals a grammar refuses are never verified (engine/constraint.py)
+            len(d) if r.grammar is None or not d else r.grammar.cut(d, q is not None)
+            for r, d, q in zip(self.running, drafts.tokens, drafts.q, strict=True)
+        ]
+        return Drafts(
+            [d[:k] for d, k in zip(drafts.tokens, keep, strict=True)],
+            [q if q is None else q[:k] for q, k in zip(drafts.q, keep, strict=True)],
+        )
 
     def _forward_and_verify(self, drafts: Drafts) -> tuple[list[Verdict], mx.array]:
         """One target forward over each row's [pending, d1..dk]; keep accepted, rewind the rest.
@@ -160,7 +174,10 @@ class EngineCore:
         ids = mx.array([f + [0] * (width - len(f)) for f in feeds], dtype=mx.int32)
         before = self.rows.ends
         hidden = self.runner.forward(self.rows, ids, [len(f) for f in feeds])
-        verdicts = verify(self.running, self.runner.logits(hidden, "all"), drafts.tokens, drafts.q)
+        grammars = [r.grammar for r in self.running]
+        allowed = grammar_masks(grammars, drafts.tokens, width, self.model.graph.vocab_size)
+        logits = self.runner.logits(hidden, "all")
+        verdicts = verify(self.running, logits, drafts.tokens, drafts.q, allowed)
         self.rows.set_ends([e + v.accepted + 1 for e, v in zip(before, verdicts, strict=True)])
         return verdicts, hidden
 
@@ -187,6 +204,8 @@ class EngineCore:
             request.stats.drafted += drafted[i]
             request.stats.accepted += verdict.accepted
             out = accept_tokens(request, verdict.tokens, verdict.logprobs)
+            if request.grammar is not None and out.finish_reason is None:
+                request.grammar.advance(out.tokens)
             request.emit(out)
             if out.finish_reason is None:
                 keep.append(i)

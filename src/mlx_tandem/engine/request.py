@@ -29,8 +29,9 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
+from mlx_tandem.engine.constraint import GrammarCompiler, RowGrammar
 from mlx_tandem.engine.output import RowOutput, TokenLogprob
-from mlx_tandem.engine.sampling import RowSampler, SamplingParams
+from mlx_tandem.engine.sampling import InvalidParameter, RowSampler, SamplingParams
 from mlx_tandem.kv.state_rows import StateRows
 
 if TYPE_CHECKING:
@@ -156,6 +157,7 @@ class Request:
         sampler: RowSampler,
         output: RowOutput,
         request_id: str | None = None,
+        grammar: RowGrammar | None = None,
     ) -> None:
         self.id = request_id or f"req-{next(_ids)}"
         self.prompt = prompt
@@ -167,6 +169,7 @@ class Request:
         self.joining: StateRows | None = None
         self.pending = prompt[-1]  # the next token to feed; its logits give the next sample
         self.history = mx.array(prompt, dtype=mx.uint32) if sampler.needs_history else None
+        self.grammar = grammar  # the row's parser state when its output is constrained
         self.finish_reason: str | None = None
         self.spec_alpha: float | None = None  # per-token draft acceptance estimate (adaptive depth)
         self.stats = RequestStats(prompt_tokens=len(prompt), arrival=time.perf_counter())
@@ -190,15 +193,25 @@ class Request:
 
 
 def new_request(
-    model: LoadedModel, prompt: list[int], params: SamplingParams, request_id: str | None = None
+    model: LoadedModel,
+    prompt: list[int],
+    params: SamplingParams,
+    request_id: str | None = None,
+    grammars: GrammarCompiler | None = None,
 ) -> Request:
-    """A validated Request (ValueError naming the problem); nothing else changes."""
+    """A validated Request (ValueError naming the problem); nothing else changes.
+    A constrained request (params.grammar) needs the engine's `grammars`."""
     graph = model.graph
     check_prompt(prompt, params.max_tokens, model.context_length, graph.vocab_size)
     sampler = RowSampler(params, graph.vocab_size)
+    grammar = None
+    if params.grammar is not None:
+        if grammars is None:
+            raise InvalidParameter("grammar", "this decoding path takes no grammar (use the engine)")
+        grammar = grammars.compile(params.grammar)
     stop_ids = (set() if params.ignore_eos else model.eos_token_ids) | set(params.stop_token_ids)
     output = RowOutput(model.tokenizer, params.stop, stop_ids, params.max_tokens)
-    return Request(list(prompt), params, sampler, output, request_id)
+    return Request(list(prompt), params, sampler, output, request_id, grammar)
 
 
 class RequestHandle:

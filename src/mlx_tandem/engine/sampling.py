@@ -61,7 +61,7 @@ class InvalidParameter(ValueError):
 class Knob:
     """How one SamplingParams field is spelled and bounded everywhere it appears.
 
-    kind: "int" | "float" | "bias" (token id -> bias) | "strings" | "ids" | "bool".
+    kind: "int" | "float" | "bias" (token id -> bias) | "strings" | "ids" | "bool" | "grammar".
     flags: CLI spelling (mlx_lm.generate's); () = no flag. wire: request field names
     (the first one a request gives wins); () = not a request field. off: a flag or wire
     value meaning "disabled", stored as None. server: `tandem serve` has it as a default.
@@ -83,6 +83,30 @@ def _knob(default: Any = None, *, factory: Any = None, **kw: Any) -> Any:
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
+
+
+GRAMMAR_KINDS: tuple[str, ...] = ("json_object", "json_schema", "regex", "lark")
+MAX_GRAMMAR_CHARS = 1 << 20
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What a request's output must match (engine/constraint.py enforces it).
+    kind: json_object | json_schema | regex | lark; source: the schema (JSON text), regex
+    or Lark grammar ("" for json_object)."""
+
+    kind: str
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise InvalidParameter(
+                "grammar", f"unknown grammar kind {self.kind!r}; one of {', '.join(GRAMMAR_KINDS)}"
+            )
+        if not isinstance(self.source, str) or len(self.source) > MAX_GRAMMAR_CHARS:
+            raise InvalidParameter(
+                "grammar", f"a grammar's source is a string of at most {MAX_GRAMMAR_CHARS} characters"
+            )
 
 
 @dataclass(frozen=True)
@@ -156,6 +180,11 @@ class SamplingParams:
         help="cap on drafted tokens per step; 0 = no speculation",
     )  # fmt: skip
     ignore_eos: bool = _knob(False, kind="bool", help="generate max_tokens even past EOS")
+    grammar: Grammar | None = _knob(  # noqa: RUF009 (a field() with metadata)
+        None, kind="grammar", flags=("--json-schema",),
+        help="constrain the output to a JSON schema (inline JSON or a file; 'object': any "
+        "JSON object); runs on the rows engine",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         for name, (k, default) in knobs().items():
@@ -235,6 +264,8 @@ def check_value(name: str, k: Knob, value: Any, optional: bool = False) -> None:
             raise bad("must be token ids >= 0")
     elif k.kind == "bool" and not isinstance(value, bool):
         raise bad("must be true or false")
+    elif k.kind == "grammar" and not isinstance(value, Grammar):
+        raise bad("must be a Grammar")
 
 
 def _finite(x: object) -> bool:

@@ -122,9 +122,17 @@ def _sampled(
 
 
 def verify(
-    requests: list[Request], logits: mx.array, drafts: list[list[int]], q: list[mx.array | None]
+    requests: list[Request],
+    logits: mx.array,
+    drafts: list[list[int]],
+    q: list[mx.array | None],
+    allowed: mx.array | None = None,
 ) -> list[Verdict]:
-    """logits (B, K+1, V) from one target forward over [pending, drafts...] per row."""
+    """logits (B, K+1, V) from one target forward over [pending, drafts...] per row;
+    allowed (B, K+1, V) bool: the grammar masks of constrained rows (engine/constraint.py),
+    applied before anything else, exactly as plain constrained decoding applies them."""
+    if allowed is not None:
+        logits = mx.where(allowed, logits, -mx.inf)
     lp = slot_logprobs(requests, logits, drafts)
     argmax = mx.argmax(lp, axis=-1)
     groups: dict[tuple, list[int]] = defaultdict(list)

@@ -1,0 +1,161 @@
+"""Grammar-constrained rows: which tokens a row may emit next, through llguidance.
+
+A request may carry a `Grammar` (a JSON schema, any JSON object, a regex or a Lark
+grammar). `GrammarCompiler` (one per engine; it wraps the model's tokenizer for
+llguidance once, on first use) validates it and gives the request a `RowGrammar`, the
+row's parser state, before anything else changes; a bad grammar raises
+`InvalidParameter("grammar", ...)` naming the problem.
+
+Each step the engine asks every constrained row for
+  * `cut(drafts, stochastic)`: how many proposals to keep. Deterministic drafts are cut
+    before the first token the grammar refuses (the target could never emit it, so the
+    outcome is unchanged); stochastic drafts keep that first refused token too, so the
+    rejection rule still runs there (p = 0 rejects it) and draws the residual — cutting
+    it would draw from p instead and bias the output;
+  * `masks(drafts)`: the allowed tokens after the committed text and after each prefix
+    of its drafts — (k+1) bitmasks, the masks plain constrained decoding would apply at
+    those positions. The verifier sets every other logit to -inf before anything else
+    (processors, log-softmax, filters), so the target's distribution is exactly the one
+    plain constrained decoding samples from, and speculation stays lossless against it;
+  * `advance(tokens)` after the verdict, with the tokens the row emitted.
+When the grammar is complete it allows only end-of-sequence, which ends the row.
+
+Oracle: tests/test_constraint.py (greedy constrained speculative == greedy constrained
+plain, batched == alone, every output parses and validates; a verifier without the mask,
+and a cut that drops the refused stochastic draft, fail the tests).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_tandem.engine.sampling import Grammar, InvalidParameter
+
+# How JSON is laid out: compact separators with one space, as chat models write it; no
+# free whitespace (small models given free whitespace can loop on newlines forever).
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def json_schema_grammar(schema: dict[str, Any] | bool) -> Grammar:
+    return Grammar("json_schema", json.dumps(schema))
+
+
+def llguidance_source(grammar: Grammar) -> str:
+    """The grammar in llguidance's form; InvalidParameter if a schema is not JSON."""
+    import llguidance
+
+    if grammar.kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
+    if grammar.kind == "json_schema":
+        try:
+            schema = json.loads(grammar.source)
+        except json.JSONDecodeError as err:
+            raise InvalidParameter("grammar", f"the schema is not JSON: {err}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidParameter("grammar", "a JSON schema is an object or a boolean")
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+    if grammar.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(grammar.source)
+    return llguidance.LLMatcher.grammar_from_lark(grammar.source)
+
+
+class GrammarCompiler:
+    """Compiles Grammars for one model's tokenizer (wrapped for llguidance on first use)."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_ids: set[int]) -> None:
+        self._hf = hf_tokenizer
+        self.vocab_size = vocab_size
+        self.eos_ids = sorted(eos_ids)
+        self._tokenizer: Any = None
+        self._lock = threading.Lock()
+
+    def tokenizer(self) -> Any:
+        with self._lock:
+            if self._tokenizer is None:
+                try:
+                    import llguidance.hf
+                except ImportError:  # pragma: no cover - a dependency of the package
+                    raise InvalidParameter(
+                        "grammar", "structured output needs llguidance (pip install llguidance)"
+                    ) from None
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf, n_vocab=self.vocab_size, eos_token=self.eos_ids or None
+                )
+            return self._tokenizer
+
+    def compile(self, grammar: Grammar) -> RowGrammar:
+        """A fresh parser state for one row; InvalidParameter naming what is wrong."""
+        import llguidance
+
+        source = llguidance_source(grammar)
+        tokenizer = self.tokenizer()
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(source, tokenizer)
+        if failed:
+            raise InvalidParameter("grammar", f"invalid {grammar.kind}: {messages[0]}")
+        matcher = llguidance.LLMatcher(tokenizer, source, log_level=0)
+        if matcher.is_error():
+            raise InvalidParameter(
+                "grammar", f"invalid {grammar.kind}: {matcher.get_error()}"
+            )
+        return RowGrammar(matcher, self.vocab_size)
+
+
+class RowGrammar:
+    """One row's parser state: the committed tokens' prefix of the grammar."""
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+
+    def cut(self, drafts: list[int], stochastic: bool) -> int:
+        """How many of `drafts` to verify (see the module header)."""
+        valid = self.matcher.validate_tokens(drafts) if drafts else 0
+        return min(len(drafts), valid + 1) if stochastic else valid
+
+    def masks(self, drafts: list[int]) -> np.ndarray:
+        """(len(drafts)+1, words) int32 bitmasks: allowed tokens after each draft prefix.
+        A prefix past a refused draft allows everything (its slot is never used)."""
+        import llguidance.numpy as lnp
+
+        out = lnp.allocate_token_bitmask(len(drafts) + 1, self.vocab_size)
+        # consume only what the grammar accepts: a refused token leaves llguidance's matcher
+        # in an error state for good, which no rollback undoes
+        valid = self.matcher.validate_tokens(drafts) if drafts else 0
+        for j in range(valid + 1):
+            lnp.fill_next_token_bitmask(self.matcher, out, j)
+            if j < valid:
+                assert self.matcher.consume_token(drafts[j])
+        if valid:
+            self.matcher.rollback(valid)
+        return out
+
+    def advance(self, tokens: list[int]) -> None:
+        """The row emitted `tokens` (each one allowed by the mask it was drawn under)."""
+        ok = self.matcher.consume_tokens(tokens)
+        assert ok, f"an emitted token broke the grammar: {self.matcher.get_error()}"
+
+    @property
+    def done(self) -> bool:
+        return bool(self.matcher.is_stopped())
+
+
+def grammar_masks(
+    grammars: list[RowGrammar | None], drafts: list[list[int]], width: int, vocab: int
+) -> mx.array | None:
+    """(B, width, V) bool: which tokens each row may emit at each verify slot; None when no
+    row is constrained. Unconstrained rows (and slots past a row's drafts) allow everything."""
+    if all(g is None for g in grammars):
+        return None
+    words = (vocab + 31) // 32
+    bits = np.full((len(grammars), width, words), -1, dtype=np.int32)
+    for i, (g, d) in enumerate(zip(grammars, drafts, strict=True)):
+        if g is not None:
+            rows = g.masks(d)
+            bits[i, : rows.shape[0]] = rows
+    unpacked = np.unpackbits(bits.view(np.uint8), axis=-1, bitorder="little")[..., :vocab]
+    return mx.array(unpacked.astype(np.bool_))
