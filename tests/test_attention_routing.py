@@ -105,15 +105,23 @@ def test_a_layer_computing_attention_its_own_way_is_refused_by_name(tmp_path: Pa
     assert _unpatched("llama")
 
 
-def test_attention_sinks_are_refused_by_name():
+def test_attention_sinks_reach_the_row_caches_attention():
     args = gpt_oss.ModelArgs(
         num_hidden_layers=2, num_local_experts=2, num_experts_per_tok=1, vocab_size=64,
         hidden_size=32, intermediate_size=32, head_dim=16, num_attention_heads=2,
         num_key_value_heads=1, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
     )
     model = gpt_oss.Model(args)
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn uses attention sinks"):
-        rows_model(model)
+    for layer in model.model.layers:
+        layer.self_attn.sinks = mx.array([1.5, -2.0])
+    ids = mx.array([[3, 9, 27, 12, 5]])
+    reference = model(ids)
+    routed = rows_model(model)  # the probe passes: every layer routes, sinks included
+    got = routed(ids, cache=StateRows.blank(model, 1).layers)
+    assert mx.allclose(got, reference, atol=1e-5).item()
+    for layer in model.model.layers:  # the sinks matter: without them mlx-lm differs
+        layer.self_attn.sinks = mx.zeros((2,))
+    assert not mx.allclose(model(ids), reference, atol=1e-3).item()
     assert gpt_oss.scaled_dot_product_attention is mlx_lm_base.scaled_dot_product_attention
 
 

@@ -78,6 +78,24 @@ def test_the_split_forward_is_mlx_lms_own(family_model, name):
     assert mx.array_equal(m.graph.project_logits(hidden, "all"), m.model(ids)).item()
 
 
+@pytest.mark.parametrize("name", [n for n in NAMES if FAMILIES[n].batched is None])
+def test_the_rows_engine_computes_the_models_logits(family_model, name):
+    """The rows engine's arithmetic (invariant and block) is the model's, to rounding:
+    nothing a family does in its layers (sinks, no-RoPE layers, multipliers) is lost."""
+    from mlx_tandem.engine.runner import ModelRunner
+
+    m = family_model(name)
+    ids = [5, 17, 99, 3, 250, 42, 42, 7] * 3
+    reference = m.model(mx.array([ids]))
+    runner = ModelRunner(m)
+    rows = runner.blank_rows(1)
+    hidden = runner.forward(rows, mx.array([ids]), [len(ids)])
+    assert mx.allclose(runner.logits(hidden, "all"), reference, atol=1e-4).item()
+    rows = runner.blank_rows(1)
+    last = runner.logits(runner.prefill(rows, ids, 16), "last")
+    assert mx.allclose(last, reference[:, -1:], atol=1e-4).item()
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_batched_equals_alone_or_refused_by_name(family_model, alone, name):
     declared = FAMILIES[name]

@@ -49,8 +49,12 @@ def invariant_attention(
     scale: float,
     valid: mx.array,
     group_rows: int | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
-    """queries (B, H, L, D); keys/values (B, Hkv, W, D); valid (B, 1, L, W) bool -> (B, H, L, D)."""
+    """queries (B, H, L, D); keys/values (B, Hkv, W, D); valid (B, 1, L, W) bool -> (B, H, L, D).
+
+    sinks (H,): attention sinks (gpt_oss), one logit per query head that joins every
+    softmax as column 0 and takes no value."""
     B, H, L, D = queries.shape
     Hkv, Dv = keys.shape[1], values.shape[3]
     rep = H // Hkv
@@ -75,7 +79,16 @@ def invariant_attention(
     kt = mx.broadcast_to(keys.swapaxes(-1, -2)[:, :, None], (B, Hkv, G, D, W))
     scores = (q @ kt).reshape(B, Hkv, G * group_rows, W)
     scores = mx.where(ok, scores, mx.array(-mx.inf, scores.dtype))
-    probs = mx.softmax(scores, axis=-1, precise=True).reshape(B, Hkv, G, group_rows, n, KEY_CHUNK)
+    if sinks is not None:  # query row r of kv head k is head k * rep + r // L
+        col = mx.repeat(sinks.astype(scores.dtype).reshape(Hkv, rep), L, axis=1)
+        col = mx.concatenate([col, mx.zeros((Hkv, pad), col.dtype)], axis=1)
+        col = mx.broadcast_to(col[None, :, :, None], (B, Hkv, G * group_rows, 1))
+        scores = mx.softmax(mx.concatenate([col, scores], axis=-1), axis=-1, precise=True)
+        probs = scores[..., 1:].reshape(B, Hkv, G, group_rows, n, KEY_CHUNK)
+    else:
+        probs = mx.softmax(scores, axis=-1, precise=True).reshape(
+            B, Hkv, G, group_rows, n, KEY_CHUNK
+        )
     probs = probs.transpose(0, 1, 2, 4, 3, 5)  # (B, Hkv, G, n, group_rows, KEY_CHUNK)
     v = mx.broadcast_to(values.reshape(B, Hkv, 1, n, KEY_CHUNK, Dv), (B, Hkv, G, n, KEY_CHUNK, Dv))
     parts = probs @ v  # (B, Hkv, G, n, group_rows, Dv)
@@ -87,10 +100,19 @@ def invariant_attention(
 
 
 def block_attention(
-    queries: mx.array, keys: mx.array, values: mx.array, scale: float, valid: mx.array
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    scale: float,
+    valid: mx.array,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """Fused attention for one row's own block of queries (its shape depends on that row only)."""
-    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=valid)
+    if sinks is None:
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=valid)
+    return mx.fast.scaled_dot_product_attention(
+        queries, keys, values, scale=scale, mask=valid, sinks=sinks.astype(queries.dtype)
+    )
 
 
 def attention_mismatches(

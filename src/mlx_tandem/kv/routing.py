@@ -37,7 +37,8 @@ class AttentionRoute:
     """One attention layer's `scaled_dot_product_attention` in the rows engine's model copy.
 
     Arguments are bound by name against mlx-lm's signature, so positional and
-    keyword call styles read the same `cache`, `scale`, `mask` and `sinks`.
+    keyword call styles read the same `cache`, `scale`, `mask` and `sinks` (attention
+    sinks, gpt_oss: handed to the row cache's attention).
     """
 
     def __init__(self, layer: str, block: BlockMode) -> None:
@@ -50,20 +51,16 @@ class AttentionRoute:
         bound.apply_defaults()
         a = bound.arguments
         self.calls += 1
-        if a["sinks"] is not None:
-            raise ValueError(
-                f"{self.layer} uses attention sinks (as gpt_oss does); mlx-tandem's row caches "
-                "do not support attention sinks"
-            )
         attend = getattr(a["cache"], "attend", None)
         if attend is None:  # the copy runs only on row caches; anything else would be inexact
             raise ValueError(
                 f"{self.layer} got a {type(a['cache']).__name__} cache; the rows engine's model "
                 "copy runs only on row caches"
             )
+        extra = {} if a["sinks"] is None else {"sinks": a["sinks"]}
         return attend(
             a["queries"], a["keys"], a["values"], scale=a["scale"], mask=a["mask"],
-            block=self.block.on,
+            block=self.block.on, **extra,
         )
 
 

@@ -109,15 +109,17 @@ class RowKVCache:
         values = self.codec.value.decode(tuple(p[:, :, :width] for p in self.vparts), self.dtype)
         return keys, values
 
-    def attend(self, queries, keys, values, scale: float, mask, block: bool = False) -> mx.array:
+    def attend(
+        self, queries, keys, values, scale: float, mask, block: bool = False, sinks=None
+    ) -> mx.array:
         if not isinstance(mask, mx.array):
             raise ValueError("RowKVCache.attend needs the array mask from make_mask")
         queries = self.codec.key.rotate(queries)
         if block:
             assert len(self.ends) == 1, "block attention is for one row's own prefill"
-            out = block_attention(queries, keys, values, scale, mask)
+            out = block_attention(queries, keys, values, scale, mask, sinks=sinks)
         else:
-            out = invariant_attention(queries, keys, values, scale, mask)
+            out = invariant_attention(queries, keys, values, scale, mask, sinks=sinks)
         return self.codec.value.unrotate(out)
 
     @property

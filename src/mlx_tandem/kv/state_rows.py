@@ -250,9 +250,11 @@ class _ProbeKV(RowKVCache):
         self.writer = sys._getframe(1).f_locals.get("self")  # the attention module calling us
         return super().update_and_fetch(keys, values)
 
-    def attend(self, queries, keys, values, scale: float, mask, block: bool = False) -> mx.array:
+    def attend(
+        self, queries, keys, values, scale: float, mask, block: bool = False, sinks=None
+    ) -> mx.array:
         self.attends += 1
-        return super().attend(queries, keys, values, scale, mask, block)
+        return super().attend(queries, keys, values, scale, mask, block, sinks)
 
 
 def probe_routing(model: nn.Module) -> dict[str, int]:

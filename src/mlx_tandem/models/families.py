@@ -73,10 +73,6 @@ def _cannot_rewind(layers: str) -> str:
     )
 
 
-_NO_SINKS = (
-    "its attention sinks (a learned per-head logit in every softmax) are not part of the row "
-    "caches' batch-invariant attention"
-)
 _SOFTCAPPED = (
     "its attention soft-caps the scores inside the layer (attn_logit_softcapping), outside "
     "mlx-lm's scaled_dot_product_attention, so the rows engine cannot make it batch-invariant"
@@ -105,7 +101,7 @@ FAMILIES: dict[str, Family] = {
         Family("olmo2", (FULL,)),
         Family("granite", (FULL,)),
         Family("smollm3", (FULL,), note="no-RoPE layers"),
-        Family("gpt_oss", (FULL, SLIDING, SINKS), batched=_NO_SINKS, note="mixture of experts"),
+        Family("gpt_oss", (FULL, SLIDING, SINKS), note="mixture of experts"),
         Family("lfm2", (FULL, CONV), speculation=_cannot_rewind("short convolutions")),
         Family(
             "qwen3_next",

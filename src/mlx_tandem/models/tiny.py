@@ -278,6 +278,8 @@ def make_tiny_model(
     for k, v in tree_flatten(model.parameters()):
         if k.endswith(("embed_tokens.weight", "embeddings.weight")):
             v = v * 4.0
+        elif k.endswith(".sinks"):  # gpt_oss's attention sinks start at zero: make them count
+            v = 2.0 * mx.random.normal(v.shape)
         elif layer_scale != 1.0 and ".layers." in k and v.ndim >= 2:
             v = v * layer_scale
         params[k] = v
