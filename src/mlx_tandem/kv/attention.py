@@ -50,11 +50,13 @@ def invariant_attention(
     valid: mx.array,
     group_rows: int | None = None,
     sinks: mx.array | None = None,
+    softcap: float | None = None,
 ) -> mx.array:
     """queries (B, H, L, D); keys/values (B, Hkv, W, D); valid (B, 1, L, W) bool -> (B, H, L, D).
 
     sinks (H,): attention sinks (gpt_oss), one logit per query head that joins every
-    softmax as column 0 and takes no value."""
+    softmax as column 0 and takes no value. softcap: scores become
+    `tanh(scores / softcap) * softcap` before the mask (Gemma 2)."""
     B, H, L, D = queries.shape
     Hkv, Dv = keys.shape[1], values.shape[3]
     rep = H // Hkv
@@ -78,6 +80,8 @@ def invariant_attention(
     q = q.reshape(B, Hkv, G, group_rows, D)
     kt = mx.broadcast_to(keys.swapaxes(-1, -2)[:, :, None], (B, Hkv, G, D, W))
     scores = (q @ kt).reshape(B, Hkv, G * group_rows, W)
+    if softcap:
+        scores = mx.tanh(scores / softcap) * softcap
     scores = mx.where(ok, scores, mx.array(-mx.inf, scores.dtype))
     if sinks is not None:  # query row r of kv head k is head k * rep + r // L
         col = mx.repeat(sinks.astype(scores.dtype).reshape(Hkv, rep), L, axis=1)
@@ -106,8 +110,19 @@ def block_attention(
     scale: float,
     valid: mx.array,
     sinks: mx.array | None = None,
+    softcap: float | None = None,
 ) -> mx.array:
-    """Fused attention for one row's own block of queries (its shape depends on that row only)."""
+    """Fused attention for one row's own block of queries (its shape depends on that row only).
+    Soft-capped scores (no fused kernel has them) are computed in one plain pass."""
+    if softcap:
+        B, H, L, _ = queries.shape
+        Hkv = keys.shape[1]
+        q = (queries * scale).reshape(B, Hkv, H // Hkv, L, -1)
+        scores = q @ keys[:, :, None].swapaxes(-1, -2)
+        scores = mx.tanh(scores / softcap) * softcap
+        scores = mx.where(valid[:, :, None], scores, mx.array(-mx.inf, scores.dtype))
+        probs = mx.softmax(scores, axis=-1, precise=True)
+        return (probs @ values[:, :, None]).reshape(B, H, L, -1)
     if sinks is None:
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=valid)
     return mx.fast.scaled_dot_product_attention(

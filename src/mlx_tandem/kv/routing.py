@@ -8,8 +8,10 @@ module gets its own subclass whose `__call__` is the same code over a globals
 dict where that name is the layer's `AttentionRoute`. The route binds the
 arguments by name and hands them to `cache.attend`. Nothing process-wide
 changes: mlx-lm's modules, their classes and the original model are untouched,
-so the plain path stays bit-identical to mlx-lm. Whether every attention layer
-really routes is checked by a probe forward (kv/state_rows.rows_model).
+so the plain path stays bit-identical to mlx-lm. A module whose attention is
+written out inline (Gemma 2's soft-capped scores) gets its `ADAPTERS` call instead:
+mlx-lm's projections, RoPE and cache update, then the route. Whether every
+attention layer really routes is checked by a probe forward (kv/state_rows.rows_model).
 
 Oracle: tests/test_attention_routing.py (every layer routes, a layer that does
 not is refused by name, mlx-lm untouched).
@@ -20,11 +22,13 @@ from __future__ import annotations
 import copy
 import inspect
 import types
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base as mlx_lm_base
+from mlx_lm.models import gemma2 as mlx_lm_gemma2
 
 from mlx_tandem.kv.attention import BlockMode
 
@@ -50,18 +54,46 @@ class AttentionRoute:
         bound = _SDPA_SIGNATURE.bind(*args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
+        extra = {} if a["sinks"] is None else {"sinks": a["sinks"]}
+        return self.attend(a["queries"], a["keys"], a["values"], a["cache"], a["scale"],
+                           a["mask"], **extra)
+
+    def attend(self, queries, keys, values, cache, scale, mask, **extra: Any) -> mx.array:
+        """The row cache's attention (`sinks`, `softcap` passed on only when given)."""
         self.calls += 1
-        attend = getattr(a["cache"], "attend", None)
+        attend = getattr(cache, "attend", None)
         if attend is None:  # the copy runs only on row caches; anything else would be inexact
             raise ValueError(
-                f"{self.layer} got a {type(a['cache']).__name__} cache; the rows engine's model "
+                f"{self.layer} got a {type(cache).__name__} cache; the rows engine's model "
                 "copy runs only on row caches"
             )
-        extra = {} if a["sinks"] is None else {"sinks": a["sinks"]}
-        return attend(
-            a["queries"], a["keys"], a["values"], scale=a["scale"], mask=a["mask"],
-            block=self.block.on, **extra,
-        )
+        return attend(queries, keys, values, scale=scale, mask=mask, block=self.block.on, **extra)
+
+
+def _gemma2_attention(self: Any, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+    """mlx-lm's gemma2 `Attention.__call__` (0.32), whose soft-capped attention is written
+    out inline rather than through scaled_dot_product_attention: the same projections,
+    RoPE and cache update, then the soft-capped attention through the layer's route.
+    tests/test_families.py checks the rows engine's logits equal the model's."""
+    route = type(self).__dict__["attention_route"]
+    if not hasattr(cache, "attend"):
+        return route.attend(None, None, None, cache, self.scale, mask)  # refuses by name
+    B, L, _ = x.shape
+    queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+    queries = queries.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+    keys = keys.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    values = values.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    queries = self.rope(queries, offset=cache.offset)
+    keys = self.rope(keys, offset=cache.offset)
+    keys, values = cache.update_and_fetch(keys, values)
+    output = route.attend(
+        queries, keys, values, cache, self.scale, mask, softcap=self.attn_logit_softcapping
+    )
+    return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+# attention modules that compute attention inline: their call, routed (by exact class)
+ADAPTERS: dict[type, Callable[..., mx.array]] = {mlx_lm_gemma2.Attention: _gemma2_attention}
 
 
 def _routes_through_sdpa(fn: object) -> bool:
@@ -111,6 +143,14 @@ def route_attention(model: nn.Module, block: BlockMode | None = None) -> nn.Modu
         out = copy.copy(module)
         if _routes_through_sdpa(type(module).__call__):
             out.__class__ = _routed_class(type(module), AttentionRoute(path, block))
+        elif type(module) in ADAPTERS:
+            cls = type(module)
+            out.__class__ = type(
+                cls.__name__,
+                (cls,),
+                {"__call__": ADAPTERS[cls], "__module__": cls.__module__,
+                 "__qualname__": cls.__qualname__, "attention_route": AttentionRoute(path, block)},
+            )
         for key, value in module.items():
             where = f"{path}.{key}" if path else key
             if isinstance(value, nn.Module):

@@ -110,16 +110,19 @@ class RowKVCache:
         return keys, values
 
     def attend(
-        self, queries, keys, values, scale: float, mask, block: bool = False, sinks=None
+        self, queries, keys, values, scale: float, mask, block: bool = False, sinks=None,
+        softcap: float | None = None,
     ) -> mx.array:
         if not isinstance(mask, mx.array):
             raise ValueError("RowKVCache.attend needs the array mask from make_mask")
         queries = self.codec.key.rotate(queries)
         if block:
             assert len(self.ends) == 1, "block attention is for one row's own prefill"
-            out = block_attention(queries, keys, values, scale, mask, sinks=sinks)
+            out = block_attention(queries, keys, values, scale, mask, sinks, softcap)
         else:
-            out = invariant_attention(queries, keys, values, scale, mask, sinks=sinks)
+            out = invariant_attention(
+                queries, keys, values, scale, mask, sinks=sinks, softcap=softcap
+            )
         return self.codec.value.unrotate(out)
 
     @property

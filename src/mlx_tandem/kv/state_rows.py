@@ -251,10 +251,11 @@ class _ProbeKV(RowKVCache):
         return super().update_and_fetch(keys, values)
 
     def attend(
-        self, queries, keys, values, scale: float, mask, block: bool = False, sinks=None
+        self, queries, keys, values, scale: float, mask, block: bool = False, sinks=None,
+        softcap: float | None = None,
     ) -> mx.array:
         self.attends += 1
-        return super().attend(queries, keys, values, scale, mask, block, sinks)
+        return super().attend(queries, keys, values, scale, mask, block, sinks, softcap)
 
 
 def probe_routing(model: nn.Module) -> dict[str, int]:

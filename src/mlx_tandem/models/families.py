@@ -73,10 +73,6 @@ def _cannot_rewind(layers: str) -> str:
     )
 
 
-_SOFTCAPPED = (
-    "its attention soft-caps the scores inside the layer (attn_logit_softcapping), outside "
-    "mlx-lm's scaled_dot_product_attention, so the rows engine cannot make it batch-invariant"
-)
 _NO_ATTENTION = (
     "it has no attention layer, and the rows engine tracks each row's length in its "
     "attention caches"
@@ -89,7 +85,7 @@ FAMILIES: dict[str, Family] = {
         Family("qwen2", (FULL,)),
         Family("qwen3", (FULL,)),
         Family("qwen3_moe", (FULL,), note="mixture of experts"),
-        Family("gemma2", (SOFTCAP,), batched=_SOFTCAPPED),
+        Family("gemma2", (FULL, SOFTCAP), note="mlx-lm's gemma2 has no sliding window"),
         Family("gemma3_text", (FULL, SLIDING)),
         Family(
             "gemma4_text",

@@ -231,11 +231,13 @@ FAMILY_ARCHS: dict[str, dict[str, Any]] = {
 }
 
 # make_tiny_model arguments for the matrix: a random tied head mostly repeats one token,
-# a weak test, so heads are untied (LFM2's is always tied: its layers are sharpened).
+# a weak test, so heads are untied (LFM2 and Gemma 2 always tie theirs: their layers are
+# sharpened instead, and Gemma 2's embedding softened, its post-norms cap the layers).
 FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "qwen3": {"tie_word_embeddings": False},
     "gemma3_text": {"tie_word_embeddings": False},
     "lfm2": {"layer_scale": 3.0},
+    "gemma2": {"layer_scale": 3.0, "embed_scale": 0.25},
 }
 
 
@@ -253,12 +255,18 @@ def tiny_tokenizer() -> Tokenizer:
 
 
 def make_tiny_model(
-    arch: str, folder: Path, seed: int = 0, layer_scale: float = 1.0, **overrides: Any
+    arch: str,
+    folder: Path,
+    seed: int = 0,
+    layer_scale: float = 1.0,
+    embed_scale: float = 4.0,
+    **overrides: Any,
 ) -> Path:
     """Write a random-weight mlx-lm model folder for `arch`; returns the folder.
 
-    `layer_scale` multiplies every layer matrix (not embeddings or the head): with an
-    always-tied head (LFM2) a random model otherwise just repeats its last token."""
+    The embedding is multiplied by `embed_scale` (sharper argmaxes) and every layer matrix
+    by `layer_scale`: with an always-tied head (LFM2, Gemma 2) a random model otherwise
+    just repeats its last token."""
     from mlx_lm.utils import _get_classes
 
     known = {**ARCHS, **FAMILY_ARCHS}
@@ -277,7 +285,7 @@ def make_tiny_model(
     params = {}
     for k, v in tree_flatten(model.parameters()):
         if k.endswith(("embed_tokens.weight", "embeddings.weight")):
-            v = v * 4.0
+            v = v * embed_scale
         elif k.endswith(".sinks"):  # gpt_oss's attention sinks start at zero: make them count
             v = 2.0 * mx.random.normal(v.shape)
         elif layer_scale != 1.0 and ".layers." in k and v.ndim >= 2:
