@@ -93,6 +93,7 @@ FAMILIES: dict[str, Family] = {
             note="KV-shared layers (E2B/E4B) are refused: mlx-lm gives them no cache",
         ),
         Family("ministral3", (FULL, SLIDING)),
+        Family("mistral3", (FULL, SLIDING), note="text model of the multimodal wrapper"),
         Family("phi3", (FULL,)),
         Family("olmo2", (FULL,)),
         Family("granite", (FULL,)),

@@ -94,6 +94,19 @@ _LINEAR_ATTN = {  # Qwen3-Next / Qwen3.5 Gated DeltaNet layers
     "linear_conv_kernel_dim": 4,
     "full_attention_interval": 2,
 }
+_MINISTRAL3 = {
+    **_TWO,
+    "model_type": "ministral3",
+    "layer_types": ["sliding_attention", "full_attention"],
+    "sliding_window": 16,
+    "tie_word_embeddings": False,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 1000000.0,
+        "llama_4_scaling_beta": 0.1,
+        "original_max_position_embeddings": 64,
+    },
+}
 FAMILY_ARCHS: dict[str, dict[str, Any]] = {
     "qwen2": {**_TWO, "model_type": "qwen2", "rope_theta": 1000000.0, "tie_word_embeddings": False},
     "qwen3_moe": {
@@ -130,19 +143,9 @@ FAMILY_ARCHS: dict[str, dict[str, Any]] = {
         "time_step_limit": [0.0, 1000.0],
         "time_step_rank": "auto",
     },
-    "ministral3": {
-        **_TWO,
-        "model_type": "ministral3",
-        "layer_types": ["sliding_attention", "full_attention"],
-        "sliding_window": 16,
-        "tie_word_embeddings": False,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 1000000.0,
-            "llama_4_scaling_beta": 0.1,
-            "original_max_position_embeddings": 64,
-        },
-    },
+    "ministral3": _MINISTRAL3,
+    # Mistral 3 as mlx-community ships it: a multimodal wrapper around a ministral3 text model
+    "mistral3": {"model_type": "mistral3", "text_config": _MINISTRAL3},
     "phi3": {**_TWO, "model_type": "phi3", "rope_theta": 10000.0},
     "olmo2": {**_TWO, "model_type": "olmo2", "tie_word_embeddings": False},
     "granite": {
@@ -274,6 +277,11 @@ def make_tiny_model(
         raise ValueError(f"unknown tiny arch {arch!r} (known: {', '.join(known)})")
     tokenizer = tiny_tokenizer()
     config = {**_COMMON, **known[arch], "vocab_size": tokenizer.get_vocab_size(), **overrides}
+    config = json.loads(json.dumps(config))  # a deep copy: model args may edit nested dicts
+    if "text_config" in config:  # a multimodal wrapper: the text model's config nests
+        text = {k: v for k, v in config.items() if k not in ("model_type", "text_config")}
+        nested = {**text, **config["text_config"]}
+        config = {"model_type": config["model_type"], "text_config": nested}
     if arch == "gemma4_text":
         config.setdefault("vocab_size_per_layer_input", config["vocab_size"])
     config["eos_token_id"] = tokenizer.token_to_id("<eos>")
