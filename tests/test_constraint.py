@@ -154,6 +154,17 @@ def test_without_the_masks_outputs_break_the_schema(target, plain, monkeypatch):
         check_outputs(got, params[:4], schemas[:4])
 
 
+def test_a_parser_fault_ends_only_its_own_row(target, plain, monkeypatch):
+    prompts, params, _, alone = plain
+    monkeypatch.setattr(constraint_module.RowGrammar, "advance", lambda self, tokens: "boom")
+    got = run(target[1], prompts[:4], params[:4])
+    for r, p, ref in zip(got, params[:4], alone[:4], strict=True):
+        if p.grammar is None:
+            assert r.tokens == ref.tokens
+        else:
+            assert (r.finish_reason, r.error, len(r.tokens)) == ("error", "grammar: boom", 1)
+
+
 def test_seeded_sampling_with_deterministic_drafts_equals_constrained_plain_sampling(target):
     model = target[1]
     prompts, params, schemas = requests(model, 9, seed=2, sampled=True)

@@ -247,7 +247,10 @@ STRICT_400 = [
     ("/v1/chat/completions", {"messages": MSG, "temperature": 1e-45}, "temperature"),
     ("/v1/chat/completions", {"messages": MSG, "repetition_penalty": 1e-45}, "repetition_penalty"),
     ("/v1/completions", {"prompt": "x", "temperature": 1e-30}, "temperature"),
-    ("/v1/chat/completions", {"messages": MSG, "response_format": {"type": "json_object"}},
+    ("/v1/chat/completions", {"messages": MSG, "response_format": {"type": "yaml"}},
+     "response_format.type"),
+    ("/v1/chat/completions", {"messages": MSG, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format"),
     ("/v1/chat/completions", {"messages": MSG, "parallel_tool_calls": False}, "parallel_tool_calls"),
     ("/v1/chat/completions", {"messages": MSG, "tool_choice": "required"}, "tool_choice"),

@@ -36,9 +36,9 @@ import numpy as np
 
 from mlx_tandem.engine.sampling import Grammar, InvalidParameter
 
-# How JSON is laid out: compact separators with one space, as chat models write it; no
-# free whitespace (small models given free whitespace can loop on newlines forever).
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# How JSON may be laid out: at most one space between tokens (`{"a": 1}` and `{"a":1}`),
+# never free whitespace (small models given free whitespace can loop on newlines forever).
+JSON_LAYOUT = {"whitespace_flexible": True, "whitespace_pattern": " ?"}
 
 
 def json_schema_grammar(schema: dict[str, Any] | bool) -> Grammar:
@@ -134,10 +134,12 @@ class RowGrammar:
             self.matcher.rollback(valid)
         return out
 
-    def advance(self, tokens: list[int]) -> None:
-        """The row emitted `tokens` (each one allowed by the mask it was drawn under)."""
-        ok = self.matcher.consume_tokens(tokens)
-        assert ok, f"an emitted token broke the grammar: {self.matcher.get_error()}"
+    def advance(self, tokens: list[int]) -> str | None:
+        """The row emitted `tokens`, each allowed by the mask it was drawn under. Returns
+        the parser's error if it refuses one anyway (a library fault: the row ends with it)."""
+        if self.matcher.consume_tokens(tokens):
+            return None
+        return self.matcher.get_error().split("\n")[0] or "the parser refused a token"
 
     @property
     def done(self) -> bool:

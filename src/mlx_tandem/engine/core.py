@@ -205,7 +205,11 @@ class EngineCore:
             request.stats.accepted += verdict.accepted
             out = accept_tokens(request, verdict.tokens, verdict.logprobs)
             if request.grammar is not None and out.finish_reason is None:
-                request.grammar.advance(out.tokens)
+                broken = request.grammar.advance(out.tokens)
+                if broken:  # the grammar library refused a token its own mask allowed
+                    out.finish_reason = request.finish_reason = "error"
+                    out.error, out.stats = f"grammar: {broken}", request.stats
+                    request.stats.finished = time.perf_counter()
             request.emit(out)
             if out.finish_reason is None:
                 keep.append(i)

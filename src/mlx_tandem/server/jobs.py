@@ -17,17 +17,18 @@ and `param`).
 from __future__ import annotations
 
 import dataclasses
+import json
 import uuid
 from typing import Any
 
 from mlx_tandem.engine.request import RequestHandle
-from mlx_tandem.engine.sampling import InvalidParameter, SamplingParams, knobs
+from mlx_tandem.engine.sampling import Grammar, InvalidParameter, SamplingParams, knobs
 from mlx_tandem.engine.scheduler import QueueFull
 from mlx_tandem.server import schemas as S
 from mlx_tandem.server.responses import Job, Row
 from mlx_tandem.server.schemas import ApiError
 from mlx_tandem.server.state import ServerState
-from mlx_tandem.server.tools import ToolCallStream
+from mlx_tandem.server.tools import ToolCallStream, forced_call_grammar
 
 
 def refuse_unsupported(body: S.SamplingFields) -> None:
@@ -40,11 +41,13 @@ def refuse_unsupported(body: S.SamplingFields) -> None:
     if isinstance(body, S.ChatCompletionRequest):
         choice = body.tool_choice
         if choice is not None and choice not in ("none", "auto"):
-            why = "needs tools" if not body.tools else "(forcing a tool call) is not supported"
-            raise ApiError(
-                400, f"tool_choice {_choice_name(choice)} {why}; use 'auto' or 'none'",
-                "tool_choice", code="unsupported_parameter",
-            )  # fmt: skip
+            if not body.tools:
+                raise ApiError(400, f"tool_choice {_choice_name(choice)} needs tools", "tool_choice")
+            if body.response_format is not None and body.response_format.type != "text":
+                raise ApiError(
+                    400, f"tool_choice {_choice_name(choice)} and response_format both "
+                    "constrain the reply; give one", "tool_choice",
+                )  # fmt: skip
         for i, message in enumerate(body.messages):
             if message.role == "tool" and not message.tool_call_id:
                 raise ApiError(
@@ -58,6 +61,8 @@ def _choice_name(choice: Any) -> str:
 
 
 def _wire_name(field: str) -> str:
+    if field == "grammar":
+        return "response_format"
     knob = knobs().get(field)
     return knob[0].wire[0] if knob and knob[0].wire else field
 
@@ -78,6 +83,32 @@ def request_values(body: S.SamplingFields, vocab: int) -> dict[str, Any]:
             value = None
         values[name] = value
     return values
+
+
+def reply_grammar(state: ServerState, body: S.ChatCompletionRequest) -> Grammar | None:
+    """What the reply must match: a forced tool call (tool_choice `required` or a named
+    function) or OpenAI's response_format (None for text). Schemas themselves are checked
+    when the engine compiles them (a 400 naming response_format)."""
+    choice = body.tool_choice
+    if body.tools and choice is not None and choice not in ("none", "auto"):
+        if state.tools is None:
+            raise ApiError(
+                400, f"tool_choice {_choice_name(choice)}: this model has no tool calling",
+                "tool_choice", code="unsupported_parameter",
+            )  # fmt: skip
+        name = None if isinstance(choice, str) else choice.function.get("name")
+        tools = [t.model_dump(exclude_none=True) for t in body.tools]
+        try:
+            return forced_call_grammar(state.model.tokenizer, tools, name)
+        except ValueError as err:
+            raise ApiError(400, f"tool_choice: {err}", "tool_choice") from None
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return Grammar("json_object")
+    schema = fmt.json_schema.json_schema if fmt.json_schema is not None else True
+    return Grammar("json_schema", json.dumps(schema))
 
 
 def _logit_bias(bias: dict[str, float], vocab: int) -> dict[int, float]:
@@ -142,7 +173,9 @@ def submit_all(
         raise ApiError(429, str(err), None, "rate_limit_error", "queue_full", retry) from None
     except InvalidParameter as err:
         _withdraw(handles)
-        raise ApiError(400, str(err), _wire_name(err.field)) from None
+        param = _wire_name(err.field)
+        message = str(err) if param in str(err) else f"{param}: {err}"
+        raise ApiError(400, message, param) from None
     except ValueError as err:  # the engine's own refusal (e.g. over the KV budget)
         _withdraw(handles)
         raise ApiError(400, str(err)) from None
@@ -195,6 +228,8 @@ def build_job(
         echo = [t for t in texts for _ in range(body.n)]
     engine_k = 0 if k is None else max(1, k)
     overrides = request_values(body, state.model.graph.vocab_size)
+    if chat:
+        overrides["grammar"] = reply_grammar(state, body)
     every = [p for p in prompts for _ in range(body.n)]
     params = [
         choice_params(state, overrides, len(p), (name, explicit), engine_k, c % body.n)

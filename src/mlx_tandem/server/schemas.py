@@ -130,12 +130,26 @@ class NamedToolChoice(_Body):
     function: dict[str, Any]
 
 
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    name: str = Field("response", min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | bool = Field(
+        True, alias="schema", description="the JSON schema the reply must follow (default: any JSON)"
+    )
+    strict: bool | None = Field(None, description="accepted; the schema is always enforced")
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 _UNSUPPORTED = "not supported: refused (400) unless it asks for the default behaviour"
 
 # The options this server does not implement, and the one value of each that asks for
 # nothing (the default behaviour), which is accepted.
 UNSUPPORTED: dict[str, Any] = {
-    "response_format": {"type": "text"},
     "parallel_tool_calls": True,
     "best_of": 1,
     "suffix": "",
@@ -149,14 +163,20 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
-        None, description="none | auto; `required` and a named function are refused (400)"
+        None,
+        description="none | auto | required | a named function (the reply is then one call "
+        "whose arguments follow the function's schema)",
     )
     chat_template_kwargs: dict[str, Any] | None = Field(
         None,
         description="extra chat-template variables; `add_generation_prompt` (default true) "
         "is honoured; `chat_template` only when the server allows request templates",
     )
-    response_format: Any = Field(None, description=_UNSUPPORTED)
+    response_format: ResponseFormat | None = Field(
+        None,
+        description="text | json_object | json_schema: the reply is constrained to it "
+        "(enforced per token, with speculation on)",
+    )
     parallel_tool_calls: Any = Field(None, description=_UNSUPPORTED)
 
 

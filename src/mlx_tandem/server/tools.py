@@ -20,6 +20,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from mlx_tandem.engine.constraint import JSON_LAYOUT
+from mlx_tandem.engine.sampling import Grammar
+
 log = logging.getLogger("mlx_tandem.server")
 
 
@@ -28,6 +31,41 @@ def tool_support(tokenizer: Any) -> tuple[str, str, Callable[..., Any]] | None:
     if not getattr(tokenizer, "has_tool_calling", False) or tokenizer.tool_parser is None:
         return None
     return tokenizer.tool_call_start, tokenizer.tool_call_end or "", tokenizer.tool_parser
+
+
+JSON_TOOLS = "mlx_lm.tool_parsers.json_tools"  # <tool_call>{"name": ..., "arguments": ...}</tool_call>
+
+
+def forced_call_grammar(tokenizer: Any, tools: list[dict[str, Any]], name: str | None) -> Grammar:
+    """tool_choice `required` (name None) or a named function: the reply is one tool call
+    whose arguments follow the function's JSON schema. ValueError when the model's call
+    layout is not one this grammar writes, or the name is not among the tools."""
+    parser = tokenizer.tool_parser
+    if getattr(parser, "__module__", "") != JSON_TOOLS:
+        raise ValueError(
+            f"forcing a tool call needs the json_tools call layout; this model's parser is "
+            f"{getattr(parser, '__module__', parser)!r} (use tool_choice 'auto')"
+        )
+    functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    if not functions:
+        raise ValueError(f"tool_choice names function {name!r}, which is not among the tools")
+    bodies = [
+        {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+         "properties": {"name": {"const": f["name"]},
+                        "arguments": f.get("parameters") or {"type": "object"}}}
+        for f in functions
+    ]  # fmt: skip
+    schema = {**(bodies[0] if len(bodies) == 1 else {"anyOf": bodies}), "x-guidance": JSON_LAYOUT}
+    start = _marker(tokenizer.tool_call_start, tokenizer.tool_call_start_tokens)
+    end = _marker(tokenizer.tool_call_end, tokenizer.tool_call_end_tokens)
+    lark = f'start: {start} "\\n"? call "\\n"? {end}\n'
+    return Grammar("lark", lark + f"call: %json {json.dumps(schema)}\n")
+
+
+def _marker(text: str, ids: tuple[int, ...] | None) -> str:
+    """A call marker in Lark: its token when it is one (added tokens are matched by id,
+    as the model writes them), else its text."""
+    return f"<[{ids[0]}]>" if ids and len(ids) == 1 else json.dumps(text)
 
 
 def format_call(parsed: dict[str, Any], index: int | None = None) -> dict[str, Any]:
