@@ -53,6 +53,7 @@ class AssistantSource:
             )
         self.name = "assistant"
         self.samples = mode == "sample"
+        self.stateless = True  # per row only the seed hidden, which the engine hands over
         self.target = target.model
         self.donors = bind_target(assistant, target.model)
         mx.eval(assistant.parameters())  # nothing lazy may cross into the engine's thread

@@ -39,6 +39,7 @@ def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
 
 class DraftModelSource:
     samples = True  # sampled rows draw their drafts from the draft model's distribution
+    stateless = False  # its rows hold its own proposals (rewound by snapshot)
     def __init__(self, model: LoadedModel, chunk: int = 512, batch_invariant: bool = True) -> None:
         self.name = f"draft:{model.name}"
         check_engine(model.config, speculative=False)  # it runs in rows (models/families.py)

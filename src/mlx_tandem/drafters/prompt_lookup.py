@@ -40,6 +40,7 @@ def lookup(tokens: np.ndarray, k: int, n_min: int = 1, n_max: int = 3) -> list[i
 class PromptLookupSource:
     name = "ngram"
     samples = False
+    stateless = True
 
     def __init__(self, n_min: int = 1, n_max: int = 3) -> None:
         if not 1 <= n_min <= n_max:

@@ -7,6 +7,9 @@ row's parser state, before anything else changes; a bad grammar raises
 `InvalidParameter("grammar", ...)` naming the problem.
 
 Each step the engine asks every constrained row for
+  * `forced(cap)`: the tokens the grammar forces next (a JSON key, a closing brace). The
+    engine proposes them as deterministic drafts in place of the drafter's where the
+    drafter keeps no state of its own proposals (verified like any draft: lossless);
   * `cut(drafts, stochastic)`: how many proposals to keep. Deterministic drafts are cut
     before the first token the grammar refuses (the target could never emit it, so the
     outcome is unchanged); stochastic drafts keep that first refused token too, so the
@@ -39,6 +42,7 @@ from mlx_tandem.engine.sampling import Grammar, InvalidParameter
 # How JSON may be laid out: at most one space between tokens (`{"a": 1}` and `{"a":1}`),
 # never free whitespace (small models given free whitespace can loop on newlines forever).
 JSON_LAYOUT = {"whitespace_flexible": True, "whitespace_pattern": " ?"}
+MAX_FORCED = 8  # grammar-forced tokens proposed per row and step
 
 
 def json_schema_grammar(schema: dict[str, Any] | bool) -> Grammar:
@@ -111,6 +115,10 @@ class RowGrammar:
     def __init__(self, matcher: Any, vocab_size: int) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
+
+    def forced(self, cap: int) -> list[int]:
+        """Up to `cap` tokens the grammar forces next (its fast-forward tokens)."""
+        return list(self.matcher.compute_ff_tokens()[:cap]) if cap > 0 else []
 
     def cut(self, drafts: list[int], stochastic: bool) -> int:
         """How many of `drafts` to verify (see the module header)."""

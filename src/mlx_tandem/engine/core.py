@@ -32,8 +32,8 @@ import time
 import mlx.core as mx
 
 from mlx_tandem.engine.config import RuntimeConfig
-from mlx_tandem.engine.constraint import GrammarCompiler, grammar_masks
-from mlx_tandem.engine.depth import DepthPolicy, FixedDepth
+from mlx_tandem.engine.constraint import MAX_FORCED, GrammarCompiler, grammar_masks
+from mlx_tandem.engine.depth import DepthPolicy, FixedDepth, row_cap
 from mlx_tandem.engine.draft_source import Drafts, DraftSource
 from mlx_tandem.engine.postprocess import accept_tokens
 from mlx_tandem.engine.prefill import PrefillPolicy
@@ -45,6 +45,8 @@ from mlx_tandem.engine.verify import Verdict, verify
 from mlx_tandem.kv.state_rows import StateRows
 from mlx_tandem.models.families import check_engine, recurrent_refusal
 from mlx_tandem.models.loader import LoadedModel
+
+GRAMMAR = "grammar"  # EngineStats' name for grammar-forced proposals
 
 
 class EngineCore:
@@ -143,28 +145,39 @@ class EngineCore:
         if not self.running:
             return prefilled
         t0 = time.perf_counter()
-        drafts = self._draft()
+        drafts, forced = self._draft()
         t1 = time.perf_counter()
         verdicts, hidden = self._forward_and_verify(drafts)
-        self._postprocess(drafts, verdicts, hidden, t1 - t0, time.perf_counter() - t1)
+        self._postprocess(drafts, forced, verdicts, hidden, t1 - t0, time.perf_counter() - t1)
         return True
 
-    def _draft(self) -> Drafts:
+    def _draft(self) -> tuple[Drafts, list[bool]]:
+        """Each row's proposals, and which rows propose grammar-forced tokens instead."""
         B = len(self.running)
         if self.drafter is None:
-            return Drafts([[]] * B, [None] * B)
-        depths = self.depth.depths(self.running, self.drafter.samples)
-        drafts = self.drafter.draft(self.running, depths, self.rows)
+            drafts = Drafts([[] for _ in range(B)], [None] * B)
+        else:
+            depths = self.depth.depths(self.running, self.drafter.samples)
+            drafts = self.drafter.draft(self.running, depths, self.rows)
         if all(r.grammar is None for r in self.running):
-            return drafts
-        keep = [  # proposals a grammar refuses are never verified (engine/constraint.py)
-            len(d) if r.grammar is None or not d else r.grammar.cut(d, q is not None)
-            for r, d, q in zip(self.running, drafts.tokens, drafts.q, strict=True)
-        ]
-        return Drafts(
-            [d[:k] for d, k in zip(drafts.tokens, keep, strict=True)],
-            [q if q is None else q[:k] for q, k in zip(drafts.q, keep, strict=True)],
-        )
+            return drafts, [False] * B
+        return self._constrain(drafts)
+
+    def _constrain(self, drafts: Drafts) -> tuple[Drafts, list[bool]]:
+        """Rows under a grammar (engine/constraint.py): the tokens it forces are proposed
+        instead of the drafter's, where the drafter keeps no state of its own proposals;
+        other proposals are cut where the grammar refuses them."""
+        replaceable = self.drafter is None or self.drafter.stateless
+        tokens: list[list[int]] = []
+        qs: list[mx.array | None] = []
+        forced: list[bool] = []
+        for r, d, q in zip(self.running, drafts.tokens, drafts.q, strict=True):
+            f = r.grammar.forced(row_cap(r, MAX_FORCED)) if r.grammar and replaceable else []
+            k = len(d) if r.grammar is None or not d else r.grammar.cut(d, q is not None)
+            tokens.append(f or d[:k])
+            qs.append(None if f or q is None else q[:k])
+            forced.append(bool(f))
+        return Drafts(tokens, qs), forced
 
     def _forward_and_verify(self, drafts: Drafts) -> tuple[list[Verdict], mx.array]:
         """One target forward over each row's [pending, d1..dk]; keep accepted, rewind the rest.
@@ -184,20 +197,29 @@ class EngineCore:
     def _postprocess(
         self,
         drafts: Drafts,
+        forced: list[bool],
         verdicts: list[Verdict],
         hidden: mx.array,
         draft_s: float,
         verify_s: float,
     ) -> None:
-        """Tokens out through each row's finish rule; finished rows leave the cohort."""
+        """Tokens out through each row's finish rule; finished rows leave the cohort.
+        Grammar-forced proposals count as the grammar's, not the drafter's."""
         drafted = [len(d) for d in drafts.tokens]
         accepted = [v.accepted for v in verdicts]
+        own = [(0, 0) if f else (d, a) for d, a, f in zip(drafted, accepted, forced, strict=True)]
+        own_drafted, own_accepted = [d for d, _ in own], [a for _, a in own]
         if self.drafter:
             slots = mx.array(accepted, dtype=mx.int32)[:, None, None]  # each row's last slot
             self.drafter.commit(accepted, mx.take_along_axis(hidden, slots, axis=1)[:, 0])
             width = max(drafted) + 1
-            self.depth.observe(self.running, drafted, accepted, draft_s, verify_s, width)
-            self.stats.record(self.drafter.name, drafted, accepted, draft_s, verify_s)
+            self.depth.observe(self.running, own_drafted, own_accepted, draft_s, verify_s, width)
+            self.stats.record(self.drafter.name, own_drafted, own_accepted, draft_s, verify_s)
+        if any(forced):
+            by_grammar = [(d - o, a - oa) for d, a, o, oa in
+                          zip(drafted, accepted, own_drafted, own_accepted, strict=True)]  # fmt: skip
+            self.stats.record(GRAMMAR, [d for d, _ in by_grammar], [a for _, a in by_grammar],
+                              step=False)  # fmt: skip
         keep = []
         for i, (request, verdict) in enumerate(zip(self.running, verdicts, strict=True)):
             request.stats.steps += 1
@@ -348,7 +370,9 @@ class EngineStats:
         accepted: list[int],
         draft_s: float = 0.0,
         verify_s: float = 0.0,
+        step: bool = True,
     ) -> None:
+        """step=False: proposals of a step already recorded under another name."""
         self.drafted[drafter] = self.drafted.get(drafter, 0) + sum(drafted)
         self.accepted[drafter] = self.accepted.get(drafter, 0) + sum(accepted)
         reached = self.reached.setdefault(drafter, [])
@@ -360,8 +384,9 @@ class EngineStats:
                     hits.append(0)
                 reached[j] += 1
                 hits[j] += j < a
-        self.steps += 1
-        self.row_steps += len(drafted)
+        if step:
+            self.steps += 1
+            self.row_steps += len(drafted)
         self.draft_s += draft_s
         self.verify_s += verify_s
 

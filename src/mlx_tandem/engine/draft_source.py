@@ -39,6 +39,7 @@ class Drafts:
 class DraftSource(Protocol):
     name: str
     samples: bool  # whether sampled rows get stochastic drafts (q given), not deterministic ones
+    stateless: bool  # keeps no state of its own proposals: the engine may propose others
 
     def prepare_append(self, requests: list[Request], hidden: mx.array) -> PreparedChange:
         """Make room for joining rows (e.g. prefill their prompts); inert until commit.
