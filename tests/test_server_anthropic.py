@@ -236,7 +236,8 @@ BAD = [
      "messages[1].role"),
     ({**MSG, "messages": [{"role": "user", "content": [
         {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}, "messages[0].content[0]"),
-    ({**MSG, "tools": A_TOOLS, "tool_choice": {"type": "any"}}, "tool_choice"),
+    ({**MSG, "tools": A_TOOLS, "tool_choice": {"type": "tool"}}, "tool_choice.name"),
+    ({**MSG, "tools": A_TOOLS, "tool_choice": {"type": "any"}}, "no tool calling"),
     ({**MSG, "tools": A_TOOLS, "tool_choice": {"type": "auto", "disable_parallel_tool_use": True}},
      "disable_parallel_tool_use"),
     ({**MSG, "tools": [{"name": "f"}]}, "tools[0].input_schema"),
@@ -260,6 +261,25 @@ def tool_server(tmp_path_factory):
     live = LiveServer(make_tool_model(tmp_path_factory.mktemp("tools") / "m"), api_key=KEY)
     yield live
     live.stop()
+
+
+def test_forced_tool_use_any_and_named(tool_server):
+    """tool_choice any / tool: one call, its input following that tool's input_schema."""
+    c = client(tool_server)
+    ask = [{"role": "user", "content": "Wake me at seven"}]
+    alarm = {"name": "set_alarm", "description": "Set an alarm", "input_schema": {
+        "type": "object", "additionalProperties": False, "required": ["hour"],
+        "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23}}}}  # fmt: skip
+    tools = [*A_TOOLS, alarm]
+    anyone = c.messages.create(model="x", max_tokens=60, messages=ask, tools=tools,
+                               tool_choice={"type": "any"})  # fmt: skip
+    assert anyone.stop_reason == "tool_use" and anyone.content[0].name == "get_weather"
+    named = c.messages.create(model="x", max_tokens=60, messages=ask, tools=tools,
+                              tool_choice={"type": "tool", "name": "set_alarm",
+                                           "disable_parallel_tool_use": True})  # fmt: skip
+    (block,) = named.content
+    assert named.stop_reason == "tool_use" and block.name == "set_alarm"
+    assert set(block.input) == {"hour"} and 0 <= block.input["hour"] <= 23
 
 
 def test_tool_use_round_trip(tool_server):

@@ -5,7 +5,8 @@ pydantic models: an unknown field or block type — images, documents, thinking,
 a 400 naming it) becomes the OpenAI chat request the rest of the server already serves:
 `system` -> a system message; `text`, `tool_use` and `tool_result` blocks -> user,
 assistant (with `tool_calls`) and `tool` messages; `tools` -> functions; `tool_choice`
-auto/none; `stop_sequences` -> stop. From there prompts.py renders the chat template,
+auto/none, and any/tool -> OpenAI's required / named function (one call whose input
+follows the tool's schema: jobs.py constrains the reply); `stop_sequences` -> stop. From there prompts.py renders the chat template,
 jobs.py checks the options and builds the row (every sampling value through
 SamplingParams), responses.py reads it. The row's text and parsed tool calls (tools.py)
 come back as `text` and `tool_use` blocks in the order produced — one `Blocks` builds
@@ -16,8 +17,8 @@ sequence ended a row is found in the decoded tokens (the engine reports only "st
 and generates nothing. Errors on these routes have Anthropic's shape (`error_response`;
 guard.py picks the shape by path): 429 queue full and 503 become 529 overloaded_error.
 
-Not supported (400 naming them): image/document/thinking blocks, forcing a tool
-(`tool_choice` any/tool), `disable_parallel_tool_use`, a final assistant turn (prefill).
+Not supported (400 naming them): image/document/thinking blocks,
+`disable_parallel_tool_use` with auto, a final assistant turn (prefill).
 
 Oracle: tests/test_server_anthropic.py (the official anthropic client against a live server).
 """
@@ -268,18 +269,17 @@ def _turn(i: int, message: InputMessage, names: dict[str, str]) -> list[dict[str
 
 def to_chat(body: _MessagesBody) -> S.ChatCompletionRequest:
     """The OpenAI chat request that serves this Anthropic request (refusals name the field)."""
-    choice = body.tool_choice
+    choice, openai_choice = body.tool_choice, None
     if choice is not None:
-        if choice.type in ("any", "tool"):
-            raise ApiError(
-                400, f"tool_choice {choice.type!r} (forcing a tool call) is not supported; "
-                "use 'auto' or 'none'", "tool_choice.type", code="unsupported_parameter",
-            )  # fmt: skip
-        if choice.disable_parallel_tool_use:
-            raise ApiError(
-                400, "disable_parallel_tool_use is not supported",
+        if choice.type == "tool" and not choice.name:
+            raise ApiError(400, "tool_choice of type 'tool' needs the tool's name", "tool_choice.name")
+        if choice.disable_parallel_tool_use and choice.type not in ("any", "tool"):
+            raise ApiError(  # a forced call is always exactly one call; auto may make several
+                400, "disable_parallel_tool_use is supported only with tool_choice any or tool",
                 "tool_choice.disable_parallel_tool_use", code="unsupported_parameter",
             )  # fmt: skip
+        forced = {"any": "required", "tool": {"type": "function", "function": {"name": choice.name}}}
+        openai_choice = forced.get(choice.type, choice.type)
     last = len(body.messages) - 1
     if body.messages[last].role == "assistant":
         raise ApiError(
@@ -296,7 +296,7 @@ def to_chat(body: _MessagesBody) -> S.ChatCompletionRequest:
         for t in body.tools or []
     ]  # fmt: skip
     fields = {"messages": messages, "stop": body.stop_sequences, "stream": body.stream,
-              "tools": tools or None, "tool_choice": choice and choice.type,
+              "tools": tools or None, "tool_choice": openai_choice,
               **body.model_dump(include={"temperature", "top_p", "top_k"})}  # fmt: skip
     data = json.dumps({k: v for k, v in fields.items() if v is not None}, ensure_ascii=False)
     try:

@@ -2,7 +2,8 @@
 
 Owns the request-side rules that pydantic cannot state: options this server does not
 implement (refused by name unless they ask for the default), `tool_choice` and tool
-messages, `n` against what the engine's queue can ever hold (400, not 429), the
+messages, what the reply must match (`response_format`, or a forced tool call: the
+engine's Grammar, engine/constraint.py), `n` against what the engine's queue can ever hold (400, not 429), the
 context window, logit_bias token ids, and each choice's SamplingParams: the server's
 defaults (`ServerOptions.defaults`) overridden by the request's fields, read through
 SamplingParams' knobs (wire names) — nothing is listed twice. A SamplingParams that
