@@ -37,6 +37,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_tandem.engine.config import RuntimeConfig
+from mlx_tandem.engine.constraint import GrammarCompiler
 from mlx_tandem.engine.core import EngineCore, EngineStats
 from mlx_tandem.engine.depth import DepthPolicy
 from mlx_tandem.engine.draft_source import DraftSource
@@ -86,6 +87,10 @@ class Engine:
     @property
     def scheduler(self) -> Scheduler:
         return self.core.scheduler
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        return self.core.grammars
 
     @property
     def healthy(self) -> bool:

@@ -49,6 +49,7 @@ from mlx_tandem.server.state import ServerOptions, ServerState, version
 def create_app(model: LoadedModel, engine: Any, options: ServerOptions) -> FastAPI:
     """The FastAPI app for one model and one running (threaded) engine."""
     state = ServerState(model, engine, options)
+    engine.grammars.warm()  # response_format's first request need not wait for it
     workers = PromptWorkers(options.prompt_timeout_s)
     app = FastAPI(
         title="mlx-tandem",
