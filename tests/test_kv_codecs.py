@@ -19,6 +19,8 @@ from mlx_tandem.engine.runner import ModelRunner
 from mlx_tandem.kv.codec import (
     AffineCodec,
     KVCodec,
+    _poly_levels,
+    codebook,
     codec_from_flags,
     lloyd_max,
     pack_indices,
@@ -91,6 +93,15 @@ def test_packing_round_trips(bits):
     packed = pack_indices(idx, bits)
     assert packed.dtype == mx.uint8 and packed.shape[-1] == 64 * bits // 8
     assert mx.array_equal(unpack_indices(packed, bits), idx).item()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_the_codebook_polynomial_gives_the_table_exactly(bits):
+    """Decode picks gather or polynomial by size: both must give identical levels."""
+    coeffs, levels, _ = codebook(64, bits)
+    idx = mx.tile(mx.arange(1 << bits, dtype=mx.uint32), (300,))
+    assert mx.array_equal(_poly_levels(idx, bits, coeffs), mx.array(levels)[idx]).item()
+    assert np.all(np.diff(levels) > 0) and np.allclose(lloyd_max(64, bits)[0], levels, atol=0.02)
 
 
 def test_lloyd_max_matches_the_gaussian_codebook():

@@ -100,14 +100,22 @@ class RowKVCache:
         self.kparts = tuple(_scatter(b, n, self.ends) for b, n in zip(self.kparts, kp, strict=True))
         self.vparts = tuple(_scatter(b, n, self.ends) for b, n in zip(self.vparts, vp, strict=True))
         self.ends = [e + L for e in self.ends]
-        return self._decoded(width)
+        return self._decoded(width, max(self.ends))
 
-    def _decoded(self, width: int) -> tuple[mx.array, mx.array]:
-        """Columns [0, width) decoded, in the codec's attention space."""
+    def _decoded(self, width: int, used: int | None = None) -> tuple[mx.array, mx.array]:
+        """Columns [0, width) decoded, in the codec's attention space. A quantized codec
+        decodes only the `used` columns and pads with zeros: columns past a row's end are
+        masked, so they add exact zeros whatever they hold."""
         assert self.kparts is not None and self.vparts is not None
-        keys = self.codec.key.decode(tuple(p[:, :, :width] for p in self.kparts), self.dtype)
-        values = self.codec.value.decode(tuple(p[:, :, :width] for p in self.vparts), self.dtype)
-        return keys, values
+        if self.codec.is_fp:
+            return self.kparts[0][:, :, :width], self.vparts[0][:, :, :width]
+        n = width if used is None else min(used, width)
+        pad = [(0, 0), (0, 0), (0, width - n), (0, 0)]
+        out = []
+        for c, parts in ((self.codec.key, self.kparts), (self.codec.value, self.vparts)):
+            x = c.decode(tuple(p[:, :, :n] for p in parts), self.dtype)
+            out.append(mx.pad(x, pad) if n < width else x)
+        return out[0], out[1]
 
     def attend(
         self, queries, keys, values, scale: float, mask, block: bool = False, sinks=None,

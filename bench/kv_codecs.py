@@ -1,0 +1,159 @@
+"""KV codecs measured: bytes per token, KL and perplexity against float KV, decode tok/s, rows
+that fit a budget — on several models in one run.
+
+Quality is teacher-forced: a held-out passage (CPython's own "Execution model" documentation,
+`pydoc_data.topics`, shipped with every Python: offline and deterministic) runs through the
+rows engine's runner in chunks of `--chunk` tokens, once with float K/V and once per codec, so
+every later token attends to the codec's stored K/V (its own chunk included). Per position:
+KL(p_float || p_codec) of the next-token distributions, and the codec's negative log-likelihood
+of the real next token (perplexity). Bytes per token come from the scheduler's own measurement
+(`measure_memory`: the arrays a row cache really allocates); "rows @ budget" = how many rows of
+`--context` tokens fit `--budget` bytes of KV. Decode tok/s: the engine (EngineCore, greedy,
+EOS ignored) generating `--decode-tokens` per row for B chat prompts, median of `--repeats`
+alternating rounds; "long" runs one row whose prompt is the passage (`--tokens` tokens), so the
+dequantize-then-attend cost over a long cache shows.
+
+    .venv/bin/python bench/kv_codecs.py --models smollm2-135m,gemma3-270m
+"""
+
+from __future__ import annotations
+
+import mlx_tandem  # noqa: F401  (preloads OpenBLAS before anything imports mlx)
+
+# isort: split
+
+import argparse
+import math
+import statistics
+import time
+
+import mlx.core as mx
+from common import PROMPTS, machine_line
+
+from mlx_tandem import SamplingParams
+from mlx_tandem.engine.config import RuntimeConfig, parse_bytes
+from mlx_tandem.engine.core import EngineCore
+from mlx_tandem.engine.runner import ModelRunner
+from mlx_tandem.engine.scheduler import measure_memory
+from mlx_tandem.models.loader import load
+
+CODECS = ("fp,affine8,affine4,affine4:g32,turbo-k8v4,turbo-k4v4,turbo-k3v4,"
+          "turbo-k4v4,fp-edges|turbo-k3v4,fp-edges|turbo-k4v4,fp-sliding")
+
+
+def passage() -> str:
+    from pydoc_data.topics import topics
+
+    return topics["execmodel"] + "\n" + topics["exceptions"]
+
+
+def log_probs(runner: ModelRunner, ids: list[int], chunk: int) -> list[mx.array]:
+    """Per chunk: (L, V) float32 log-softmax of each position's next-token logits."""
+    rows = runner.blank_rows(1)
+    out = []
+    for start in range(0, len(ids), chunk):
+        piece = mx.array(ids[start : start + chunk], dtype=mx.int32)[None]
+        logits = runner.logits(runner.forward(rows, piece), "all")[0].astype(mx.float32)
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        mx.eval(lp, *rows.arrays())
+        out.append(lp)
+    return out
+
+
+def quality(
+    ref: list[mx.array], got: list[mx.array], ids: list[int], chunk: int
+) -> tuple[float, float]:
+    """(mean KL(ref || got), perplexity of got) over every position that has a next token."""
+    kl = nll = 0.0
+    n = 0
+    for i, (p, q) in enumerate(zip(ref, got, strict=True)):
+        nxt = ids[i * chunk + 1 : (i + 1) * chunk + 1]
+        m = len(nxt)
+        if not m:
+            continue
+        p, q = p[:m], q[:m]
+        kl += mx.sum(mx.exp(p) * (p - q)).item()
+        nll -= mx.sum(mx.take_along_axis(q, mx.array(nxt, dtype=mx.int32)[:, None], axis=-1)).item()
+        n += m
+    return kl / n, math.exp(nll / n)
+
+
+def decode_rate(engine: EngineCore, prompts: list[list[int]], n: int, repeats: int) -> float:
+    """Generated tok/s once every row has joined (prefill excluded), median of `repeats`."""
+
+    def run() -> float:
+        hs = [engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p in prompts]
+        while not all(h.request.tokens for h in hs):
+            engine.step()
+        before = sum(len(h.request.tokens) for h in hs)
+        start = time.perf_counter()
+        engine.run_until_idle()
+        done = sum(len(h.result().tokens) for h in hs)
+        return (done - before) / (time.perf_counter() - start)
+
+    run()
+    return statistics.median(run() for _ in range(repeats))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="smollm2-135m,gemma3-270m")
+    ap.add_argument("--codecs", default=CODECS, help="'|'-separated if a name has a comma")
+    ap.add_argument("--tokens", type=int, default=1025, help="passage tokens (predicted: one less)")
+    ap.add_argument("--chunk", type=int, default=64)
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--decode", default="fp,affine4,turbo-k8v4,turbo-k4v4",
+                    help="codecs whose decode speed is measured ('|'-separated)")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--budget", default="1G")
+    ap.add_argument("--context", type=int, default=4096)
+    args = ap.parse_args()
+
+    def names(text: str) -> list[str]:
+        return text.split("|") if "|" in text else text.split(",")
+
+    codecs = [c for c in names(args.codecs) if c]
+    timed = names(args.decode)
+    budget = parse_bytes(args.budget)
+    batches = [int(b) for b in args.batches.split(",")]
+    print(machine_line(f"KV codecs, passage {args.tokens} tokens in chunks of {args.chunk}, "
+                       f"budget {args.budget} at {args.context} tokens/row"))
+    for name in args.models.split(","):
+        model = load(name, dtype="float32", progress=False)
+        ids = model.encode(passage())[: args.tokens]
+        runner = ModelRunner(model)
+        ref = log_probs(runner, ids, args.chunk)
+        base_bytes = measure_memory(runner).per_token
+        rates: dict[str, dict[str, float]] = {}
+        long_ids = [ids[:-1]]
+        print(f"\n## {name} (float32 weights; float K/V = {base_bytes} B/token)\n")
+        head = " | ".join([f"tok/s B={b}" for b in batches] + ["tok/s long"])
+        print(f"| codec | KV B/token | bits/elem | KL vs float | ppl | rows @ budget | {head} |")
+        print("|---" * (6 + len(batches) + 1) + "|")
+        for codec in codecs:
+            t0 = time.perf_counter()
+            runner = ModelRunner(model, kv_codec=codec)
+            per_token = measure_memory(runner).per_token
+            got = ref if codec == "fp" else log_probs(runner, ids, args.chunk)
+            kl, ppl = quality(ref, got, ids, args.chunk)
+            rows = budget // (per_token * args.context)
+            bits = 32 * per_token / base_bytes
+            cells = ["-"] * (len(batches) + 1)
+            if codec in timed:
+                cfg = RuntimeConfig.resolve(max_rows=max(batches), kv_codec=codec)
+                engine = EngineCore(model, cfg)
+                r = [decode_rate(engine, [model.encode(p) for p in PROMPTS[:b]],
+                                 args.decode_tokens, args.repeats) for b in batches]
+                r.append(decode_rate(engine, long_ids, args.decode_tokens, args.repeats))
+                rates[codec] = dict(zip([*map(str, batches), "long"], r, strict=True))
+                ref_r = rates.get("fp", {})
+                cells = [f"{x:.1f}" + (f" ({x / ref_r[k]:.2f}x)" if k in ref_r and codec != "fp"
+                                       else "")
+                         for k, x in rates[codec].items()]
+            print(f"| {codec} | {per_token} | {bits:.2f} | {kl:.4f} | {ppl:.3f} | {rows} | "
+                  f"{' | '.join(cells)} |  <!-- {time.perf_counter() - t0:.0f} s -->", flush=True)
+
+
+if __name__ == "__main__":
+    main()
