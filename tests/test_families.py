@@ -1,7 +1,8 @@
 """The architecture matrix: for every family declared in models/families.py, a tiny
 random-weight model built from mlx-lm's own classes either keeps the engine's promise
 (batched == alone; greedy speculation with prompt lookup and with itself as draft model
-== plain) or is refused by name, as declared. No family runs silently inexact."""
+== plain, hybrid recurrent families included) or is refused by name, as declared. No
+family runs silently inexact."""
 
 from __future__ import annotations
 
@@ -143,8 +144,9 @@ def test_greedy_speculation_equals_plain_or_refused_by_name(family_model, alone,
 def test_the_declaration_is_checked():
     with pytest.raises(ValueError, match="no state kinds"):
         Family("x", ())
-    with pytest.raises(ValueError, match="recurrent state but claims speculation"):
-        Family("x", (families.FULL, families.MAMBA))
+    with pytest.raises(ValueError, match="no attention state but claims the rows engine"):
+        Family("x", (families.MAMBA,))
+    Family("x", (families.FULL, families.MAMBA))  # hybrids speculate (kv/recurrent.py)
     families.check_engine({"model_type": "not_declared"}, speculative=True)  # structure decides
     families.check_engine({}, speculative=False)
     assert "not_declared" in families.recurrent_refusal({"model_type": "not_declared"})

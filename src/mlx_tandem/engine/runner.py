@@ -28,6 +28,7 @@ from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from mlx_tandem.kv.attention import BlockMode
 from mlx_tandem.kv.codec import FP, CodecSpec, KVCodec, check_dims, parse_codec
+from mlx_tandem.kv.recurrent import unrewindable
 from mlx_tandem.kv.row_cache import RowKVCache
 from mlx_tandem.kv.state_rows import StateRows
 from mlx_tandem.models.graph import MlxLmGraph, Which, bind_graph
@@ -80,8 +81,11 @@ class ModelRunner:
         return StateRows.empty(self.model.model, self.codec_for)
 
     def recurrent_layers(self) -> bool:
-        """Whether any layer keeps recurrent state (it cannot rewind by moving an end)."""
-        return any(isinstance(c, ArraysCache) for c in self.empty_rows().leaves())
+        """Whether any layer keeps recurrent state it cannot rewind per row: a traced
+        2-token forward leaves it without per-token checkpoints (kv/recurrent.py)."""
+        rows = self.blank_rows(1)
+        self.graph.forward_hidden(mx.zeros((1, 2), dtype=mx.int32), rows.layers)  # not evaluated
+        return bool(unrewindable(rows.leaves()))
 
     def blank_rows(self, n: int) -> StateRows:
         """n rows holding no tokens yet (joining rows before prefill)."""

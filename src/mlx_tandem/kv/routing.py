@@ -12,6 +12,8 @@ so the plain path stays bit-identical to mlx-lm. A module whose attention is
 written out inline (Gemma 2's soft-capped scores) gets its `ADAPTERS` call instead:
 mlx-lm's projections, RoPE and cache update, then the route. Whether every
 attention layer really routes is checked by a probe forward (kv/state_rows.rows_model).
+Recurrent modules (kv/recurrent.py) get their `stepwise_class` in the same copy: outside
+a row's own prefill chunk they run one token at a time and keep per-token checkpoints.
 
 Oracle: tests/test_attention_routing.py (every layer routes, a layer that does
 not is refused by name, mlx-lm untouched).
@@ -31,6 +33,7 @@ from mlx_lm.models import base as mlx_lm_base
 from mlx_lm.models import gemma2 as mlx_lm_gemma2
 
 from mlx_tandem.kv.attention import BlockMode
+from mlx_tandem.kv.recurrent import is_recurrent_module, stepwise_class
 
 SDPA_NAME = "scaled_dot_product_attention"
 _SDPA = mlx_lm_base.scaled_dot_product_attention
@@ -151,6 +154,8 @@ def route_attention(model: nn.Module, block: BlockMode | None = None) -> nn.Modu
                 {"__call__": ADAPTERS[cls], "__module__": cls.__module__,
                  "__qualname__": cls.__qualname__, "attention_route": AttentionRoute(path, block)},
             )
+        elif is_recurrent_module(module):  # single-token arithmetic, per-token checkpoints
+            out.__class__ = stepwise_class(type(module), block)
         for key, value in module.items():
             where = f"{path}.{key}" if path else key
             if isinstance(value, nn.Module):

@@ -31,6 +31,7 @@ from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from mlx_tandem.kv.attention import BlockMode
 from mlx_tandem.kv.codec import FP, KVCodec
+from mlx_tandem.kv.recurrent import rewind
 from mlx_tandem.kv.routing import attention_route, route_attention
 from mlx_tandem.kv.row_cache import RowKVCache
 
@@ -223,10 +224,14 @@ class StateRows:
                     leaf.cache[j] = stacked[picks, mx.arange(self.rows)]
 
     def set_ends(self, ends: list[int]) -> None:
-        """Rewind each row's attention state to `ends`."""
+        """Rewind each row's state to `ends`: attention by end, recurrent layers to the
+        per-token checkpoint of their last forward (kv/recurrent.rewind)."""
+        drop = [e - n for e, n in zip(self.ends, ends, strict=True)]
         for c in self.leaves():
             if isinstance(c, RowKVCache):
                 c.set_ends(ends)
+            elif isinstance(c, ArraysCache):
+                rewind(c, drop)
 
     def arrays(self) -> list[mx.array]:
         out: list[mx.array] = []

@@ -9,7 +9,10 @@ anything); `markdown_table` renders the docs' "Model families" table.
 
 Families not declared here are not refused by name: the rows engine still checks
 their structure (every attention layer must route, kv/state_rows.probe_routing;
-recurrent layers refuse speculation, engine/core.py), but nothing is promised.
+recurrent layers that keep no per-token checkpoints refuse speculation,
+engine/runner.recurrent_layers), but nothing is promised. Hybrid families speculate:
+their recurrent layers verify a block token by token and rewind to per-token
+checkpoints (kv/recurrent.py).
 
 Oracle: tests/test_families.py (every declared family: batched == alone and greedy
 speculation == plain, or the declared refusal; the docs table equals `markdown_table`).
@@ -30,7 +33,9 @@ CONV = "short convolution"
 DELTA = "Gated DeltaNet"
 MAMBA = "Mamba 2 SSM"
 
+ATTENTION = (FULL, SLIDING, SINKS, SOFTCAP)  # rows' ends live in attention caches
 RECURRENT = (CONV, DELTA, MAMBA)  # state that cannot be rewound by moving a row's end
+# (the rows engine rewinds it to per-token checkpoints, kv/recurrent.py)
 
 
 @dataclass(frozen=True)
@@ -46,9 +51,10 @@ class Family:
     def __post_init__(self) -> None:
         if not self.state:
             raise ValueError(f"family {self.name!r} declares no state kinds")
-        claims = self.batched is None and self.speculation is None
-        if claims and any(k in RECURRENT for k in self.state):
-            raise ValueError(f"family {self.name!r} has recurrent state but claims speculation")
+        if self.batched is None and not any(k in ATTENTION for k in self.state):
+            raise ValueError(
+                f"family {self.name!r} has no attention state but claims the rows engine"
+            )
 
     def batched_refusal(self) -> str | None:
         if self.batched is None:
@@ -72,6 +78,8 @@ def _cannot_rewind(layers: str) -> str:
         "(no per-token state checkpoints); run it without a drafter"
     )
 
+
+_STEPWISE = "recurrent layers verify token by token and rewind to per-token checkpoints"
 
 _NO_ATTENTION = (
     "it has no attention layer, and the rows engine tracks each row's length in its "
@@ -99,16 +107,13 @@ FAMILIES: dict[str, Family] = {
         Family("granite", (FULL,)),
         Family("smollm3", (FULL,), note="no-RoPE layers"),
         Family("gpt_oss", (FULL, SLIDING, SINKS), note="mixture of experts"),
-        Family("lfm2", (FULL, CONV), speculation=_cannot_rewind("short convolutions")),
+        Family("lfm2", (FULL, CONV), note=_STEPWISE),
         Family(
-            "qwen3_next",
-            (FULL, DELTA),
-            speculation=_cannot_rewind("Gated DeltaNet"),
-            note="mixture of experts",
+            "qwen3_next", (FULL, DELTA), note="mixture of experts; " + _STEPWISE
         ),
-        Family("qwen3_5", (FULL, DELTA), speculation=_cannot_rewind("Gated DeltaNet")),
-        Family("nemotron_h", (FULL, MAMBA), speculation=_cannot_rewind("Mamba 2")),
-        Family("falcon_h1", (FULL, MAMBA), speculation=_cannot_rewind("Mamba 2")),
+        Family("qwen3_5", (FULL, DELTA), note=_STEPWISE),
+        Family("nemotron_h", (FULL, MAMBA), note=_STEPWISE),
+        Family("falcon_h1", (FULL, MAMBA), note=_STEPWISE),
         Family("mamba2", (MAMBA,), batched=_NO_ATTENTION),
     )
 }
