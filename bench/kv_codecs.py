@@ -78,21 +78,16 @@ def quality(
     return kl / n, math.exp(nll / n)
 
 
-def decode_rate(engine: EngineCore, prompts: list[list[int]], n: int, repeats: int) -> float:
-    """Generated tok/s once every row has joined (prefill excluded), median of `repeats`."""
-
-    def run() -> float:
-        hs = [engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p in prompts]
-        while not all(h.request.tokens for h in hs):
-            engine.step()
-        before = sum(len(h.request.tokens) for h in hs)
-        start = time.perf_counter()
-        engine.run_until_idle()
-        done = sum(len(h.result().tokens) for h in hs)
-        return (done - before) / (time.perf_counter() - start)
-
-    run()
-    return statistics.median(run() for _ in range(repeats))
+def decode_rate(engine: EngineCore, prompts: list[list[int]], n: int) -> float:
+    """Generated tok/s once every row has joined (prefill excluded)."""
+    hs = [engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p in prompts]
+    while not all(h.request.tokens for h in hs):
+        engine.step()
+    before = sum(len(h.request.tokens) for h in hs)
+    start = time.perf_counter()
+    engine.run_until_idle()
+    done = sum(len(h.result().tokens) for h in hs)
+    return (done - before) / (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -125,35 +120,41 @@ def main() -> None:
         runner = ModelRunner(model)
         ref = log_probs(runner, ids, args.chunk)
         base_bytes = measure_memory(runner).per_token
-        rates: dict[str, dict[str, float]] = {}
         long_ids = [ids[:-1]]
+        rates = decode_rates(model, timed, batches, long_ids, args)
         print(f"\n## {name} (float32 weights; float K/V = {base_bytes} B/token)\n")
         head = " | ".join([f"tok/s B={b}" for b in batches] + ["tok/s long"])
         print(f"| codec | KV B/token | bits/elem | KL vs float | ppl | rows @ budget | {head} |")
         print("|---" * (6 + len(batches) + 1) + "|")
         for codec in codecs:
-            t0 = time.perf_counter()
             runner = ModelRunner(model, kv_codec=codec)
             per_token = measure_memory(runner).per_token
             got = ref if codec == "fp" else log_probs(runner, ids, args.chunk)
             kl, ppl = quality(ref, got, ids, args.chunk)
             rows = budget // (per_token * args.context)
             bits = 32 * per_token / base_bytes
-            cells = ["-"] * (len(batches) + 1)
-            if codec in timed:
-                cfg = RuntimeConfig.resolve(max_rows=max(batches), kv_codec=codec)
-                engine = EngineCore(model, cfg)
-                r = [decode_rate(engine, [model.encode(p) for p in PROMPTS[:b]],
-                                 args.decode_tokens, args.repeats) for b in batches]
-                r.append(decode_rate(engine, long_ids, args.decode_tokens, args.repeats))
-                rates[codec] = dict(zip([*map(str, batches), "long"], r, strict=True))
-                ref_r = rates.get("fp", {})
-                cells = [f"{x:.1f}" + (f" ({x / ref_r[k]:.2f}x)" if k in ref_r and codec != "fp"
-                                       else "")
-                         for k, x in rates[codec].items()]
+            fp = rates.get("fp", {})
+            cells = [f"{x:.1f}" + (f" ({x / fp[k]:.2f}x)" if k in fp and codec != "fp" else "")
+                     for k, x in rates.get(codec, {}).items()] or ["-"] * (len(batches) + 1)
             print(f"| {codec} | {per_token} | {bits:.2f} | {kl:.4f} | {ppl:.3f} | {rows} | "
-                  f"{' | '.join(cells)} |  <!-- {time.perf_counter() - t0:.0f} s -->", flush=True)
+                  f"{' | '.join(cells)} |", flush=True)
 
+
+def decode_rates(model, timed: list[str], batches: list[int], long_ids, args) -> dict:
+    """tok/s per codec and setting; the codecs alternate within each round (a shared,
+    noisy machine drifts between runs), median over rounds."""
+    engines = {c: EngineCore(model, RuntimeConfig.resolve(max_rows=max(batches), kv_codec=c))
+               for c in timed}
+    chats = [model.encode(p) for p in PROMPTS]
+    settings = {str(b): chats[:b] for b in batches} | {"long": long_ids}
+    got: dict[str, dict[str, list[float]]] = {c: {k: [] for k in settings} for c in timed}
+    for c in timed:  # warm-up
+        decode_rate(engines[c], chats[:2], 4)
+    for _ in range(args.repeats):
+        for key, prompts in settings.items():
+            for c in timed:
+                got[c][key].append(decode_rate(engines[c], prompts, args.decode_tokens))
+    return {c: {k: statistics.median(v) for k, v in r.items()} for c, r in got.items()}
 
 if __name__ == "__main__":
     main()

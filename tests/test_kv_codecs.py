@@ -248,3 +248,20 @@ def test_smollm2_speculative_and_batched_are_exact(real_model, name):
     assert [r.tokens for r in run_with_gaps(spec, prompts, params, 2)] == plain
     alone = run_with_gaps(EngineCore(model, cfg), prompts[:1], params[:1], 3)[0].tokens
     assert alone == plain[0]
+
+
+def test_the_assistant_reads_donor_kv_decoded():
+    """The assistant drafter's donor read goes through the codec (model space, not rotated)."""
+    from mlx_tandem.drafters.assistant import AssistantSource
+    from mlx_tandem.kv.state_rows import StateRows
+
+    codec = parse_codec("turbo-k4v4").for_layer(0, None, edge=False)
+    cache = RowKVCache(codec=codec)
+    cache.ends = [0, 0]
+    k, v = vectors((2, 2, 9, 32), 1), vectors((2, 2, 9, 32), 2)
+    cache.update_and_fetch(k, v)
+    cache.set_ends([9, 5])
+    keys, values, valid = AssistantSource._donor_kv(StateRows([cache], 2), 0, None, [9, 5])
+    assert mx.array_equal(keys, cache.fetch(keys.shape[2])[0]).item()
+    rel = mx.abs(values[:, :, :9] - v).max() / mx.abs(v).max()
+    assert rel.item() < 0.2 and valid[1, 0, 0, :6].tolist() == [True] * 5 + [False]
