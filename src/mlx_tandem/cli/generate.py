@@ -91,10 +91,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--draft-model needs the rows engine (drop --engine plain)")
     if args.engine == "plain" and args.grammar is not None:
         raise ValueError("--json-schema needs the rows engine (drop --engine plain)")
+    config = runtime_config(args)  # validates --kv-codec / --kv-bits before loading
+    if args.engine == "plain" and config.kv_codec != "fp":
+        raise ValueError("--kv-codec/--kv-bits need the rows engine (drop --engine plain)")
     use_rows = (
         args.engine == "rows" or len(texts) > 1 or bool(args.draft_model) or bool(args.grammar)
+        or config.kv_codec != "fp"
     )
-    config = runtime_config(args) if use_rows else None
     model = load(args.model, dtype=args.dtype, progress=not args.json)
     params = sampling_params(args, model.tokenizer)
     prompts = [
