@@ -114,14 +114,19 @@ def test_constrained_greedy_outputs_validate_and_batched_equals_alone(target, pl
 
 
 def test_grammar_forced_tokens_are_proposed_and_accepted(target, plain):
-    """Without a drafter the engine proposes the tokens the grammar forces (JSON keys,
-    punctuation); the output is unchanged and most of them are accepted."""
+    """Within the policy's depth the engine proposes the tokens the grammar forces (JSON
+    keys, punctuation) in place of prompt lookup's; the output is unchanged and most of
+    them are accepted. A draft model's proposals are never replaced (its rows hold them)."""
     prompts, params, _, alone = plain
-    engine = EngineCore(target[1], CFG)
+    engine = EngineCore(target[1], CFG, drafter=PromptLookupSource(), depth=FixedDepth(4))
     got = run_with_gaps(engine, prompts, params, 3)
     assert [r.tokens for r in got] == [r.tokens for r in alone]
     assert engine.stats.drafted["grammar"] > 50
     assert engine.stats.acceptance("grammar") > 0.8
+    model = target[1]
+    drafted = EngineCore(model, CFG, drafter=DraftModelSource(model), depth=FixedDepth(4))
+    run_with_gaps(drafted, prompts[:4], params[:4], 3)
+    assert "grammar" not in drafted.stats.drafted
 
 
 @pytest.mark.parametrize(("name", "k"), [("ngram", 4), ("self", 2), ("self", 6), ("perturbed", 3)])

@@ -7,9 +7,10 @@ row's parser state, before anything else changes; a bad grammar raises
 `InvalidParameter("grammar", ...)` naming the problem.
 
 Each step the engine asks every constrained row for
-  * `forced(cap)`: the tokens the grammar forces next (a JSON key, a closing brace). The
-    engine proposes them as deterministic drafts in place of the drafter's where the
-    drafter keeps no state of its own proposals (verified like any draft: lossless);
+  * `forced(cap)`: the tokens the grammar forces next (a JSON key, a closing brace). Up
+    to the depth the policy chose for the row, the engine proposes them as deterministic
+    drafts in place of the drafter's where the drafter keeps no state of its own
+    proposals (verified like any draft: lossless);
   * `cut(drafts, stochastic)`: how many proposals to keep. Deterministic drafts are cut
     before the first token the grammar refuses (the target could never emit it, so the
     outcome is unchanged); stochastic drafts keep that first refused token too, so the
@@ -42,10 +43,12 @@ import numpy as np
 
 from mlx_tandem.engine.sampling import Grammar, InvalidParameter
 
-# How JSON may be laid out: at most one space between tokens (`{"a": 1}` and `{"a":1}`),
-# never free whitespace (small models given free whitespace can loop on newlines forever).
-JSON_LAYOUT = {"whitespace_flexible": True, "whitespace_pattern": " ?"}
-MAX_FORCED = 8  # grammar-forced tokens proposed per row and step
+# How JSON is laid out: `{"a": 1, "b": [2, 3]}`, as chat models write it, never free
+# whitespace (small models given free whitespace can loop on newlines forever). A fixed
+# layout also forces more tokens (a required key with its quotes and colon).
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Tool-call arguments: any one-space layout, since models write their calls compactly too.
+TOOL_JSON_LAYOUT = {"whitespace_flexible": True, "whitespace_pattern": " ?"}
 
 
 def json_schema_grammar(schema: dict[str, Any] | bool) -> Grammar:

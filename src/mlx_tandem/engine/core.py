@@ -32,8 +32,8 @@ import time
 import mlx.core as mx
 
 from mlx_tandem.engine.config import RuntimeConfig
-from mlx_tandem.engine.constraint import MAX_FORCED, GrammarCompiler, grammar_masks
-from mlx_tandem.engine.depth import DepthPolicy, FixedDepth, row_cap
+from mlx_tandem.engine.constraint import GrammarCompiler, grammar_masks
+from mlx_tandem.engine.depth import DepthPolicy, FixedDepth
 from mlx_tandem.engine.draft_source import Drafts, DraftSource
 from mlx_tandem.engine.postprocess import accept_tokens
 from mlx_tandem.engine.prefill import PrefillPolicy
@@ -155,27 +155,27 @@ class EngineCore:
         """Each row's proposals, and which rows propose grammar-forced tokens instead."""
         B = len(self.running)
         if self.drafter is None:
-            drafts = Drafts([[] for _ in range(B)], [None] * B)
-        else:
-            depths = self.depth.depths(self.running, self.drafter.samples)
-            drafts = self.drafter.draft(self.running, depths, self.rows)
+            return Drafts([[] for _ in range(B)], [None] * B), [False] * B
+        depths = self.depth.depths(self.running, self.drafter.samples)
+        drafts = self.drafter.draft(self.running, depths, self.rows)
         if all(r.grammar is None for r in self.running):
             return drafts, [False] * B
-        return self._constrain(drafts)
+        return self._constrain(drafts, depths)
 
-    def _constrain(self, drafts: Drafts) -> tuple[Drafts, list[bool]]:
-        """Rows under a grammar (engine/constraint.py): the tokens it forces are proposed
-        instead of the drafter's, where the drafter keeps no state of its own proposals;
-        other proposals are cut where the grammar refuses them."""
-        replaceable = self.drafter is None or self.drafter.stateless
+    def _constrain(self, drafts: Drafts, depths: list[int]) -> tuple[Drafts, list[bool]]:
+        """Rows under a grammar (engine/constraint.py): within the depth the policy chose,
+        the tokens the grammar forces are proposed instead of the drafter's, where the
+        drafter keeps no state of its own proposals; other proposals are cut where the
+        grammar refuses them."""
+        replaceable = self.drafter is not None and self.drafter.stateless
         tokens: list[list[int]] = []
         qs: list[mx.array | None] = []
         forced: list[bool] = []
-        for r, d, q in zip(self.running, drafts.tokens, drafts.q, strict=True):
-            f = r.grammar.forced(row_cap(r, MAX_FORCED)) if r.grammar and replaceable else []
-            k = len(d) if r.grammar is None or not d else r.grammar.cut(d, q is not None)
-            tokens.append(f or d[:k])
-            qs.append(None if f or q is None else q[:k])
+        for r, d, q, k in zip(self.running, drafts.tokens, drafts.q, depths, strict=True):
+            f = r.grammar.forced(k) if r.grammar and replaceable else []
+            keep = len(d) if r.grammar is None or not d else r.grammar.cut(d, q is not None)
+            tokens.append(f or d[:keep])
+            qs.append(None if f or q is None else q[:keep])
             forced.append(bool(f))
         return Drafts(tokens, qs), forced
 

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from mlx_tandem.engine.constraint import JSON_LAYOUT
+from mlx_tandem.engine.constraint import TOOL_JSON_LAYOUT
 from mlx_tandem.engine.sampling import Grammar
 
 log = logging.getLogger("mlx_tandem.server")
@@ -55,7 +55,7 @@ def forced_call_grammar(tokenizer: Any, tools: list[dict[str, Any]], name: str |
                         "arguments": f.get("parameters") or {"type": "object"}}}
         for f in functions
     ]  # fmt: skip
-    schema = {**(bodies[0] if len(bodies) == 1 else {"anyOf": bodies}), "x-guidance": JSON_LAYOUT}
+    schema = {**(bodies[0] if len(bodies) == 1 else {"anyOf": bodies}), "x-guidance": TOOL_JSON_LAYOUT}
     start = _marker(tokenizer.tool_call_start, tokenizer.tool_call_start_tokens)
     end = _marker(tokenizer.tool_call_end, tokenizer.tool_call_end_tokens)
     lark = f'start: {start} "\\n"? call "\\n"? {end}\n'
