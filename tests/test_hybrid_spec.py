@@ -25,7 +25,7 @@ from mlx_tandem.models.tiny import FAMILY_OVERRIDES, make_tiny_model
 
 from conftest import run_with_gaps
 
-HYBRID = ("qwen3_5", "qwen3_next", "lfm2")
+HYBRID = ("qwen3_5", "qwen3_next", "lfm2", "nemotron_h", "falcon_h1")
 CFG = RuntimeConfig.resolve(environ={}, prefill_chunk=16)
 
 
