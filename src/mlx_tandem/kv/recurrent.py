@@ -16,7 +16,9 @@ and speculative runs share them.
 
 `rewind(cache, drop)` moves row i back by drop[i] tokens: it takes the row's
 checkpoint (one gather per state array), so after verification each row resumes
-from the state after its own last accepted token. kv/state_rows.StateRows.set_ends
+from the state after its own last accepted token. Checkpoints live until the
+layer's next call (at most k+2 states per recurrent layer; those past every
+row's position are dropped at each rewind). kv/state_rows.StateRows.set_ends
 calls it with the drop it applies to the attention ends. `unrewindable(leaves)`
 names the recurrent caches a traced forward left without checkpoints (a layer
 this module does not wrap): engine/runner refuses speculation for them.
@@ -146,6 +148,7 @@ def rewind(cache: ArraysCache, drop: list[int]) -> None:
         if all(p is not None for p in parts):
             cache.cache[j] = mx.concatenate([p[r : r + 1] for r, p in enumerate(parts)])
     cp.pos = index
+    del cp.states[max(index) + 1 :]  # rows only move back (set_ends): later states are dead
 
 
 def unrewindable(leaves: list[Any]) -> list[int]:
