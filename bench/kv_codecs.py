@@ -37,8 +37,8 @@ from mlx_tandem.engine.runner import ModelRunner
 from mlx_tandem.engine.scheduler import measure_memory
 from mlx_tandem.models.loader import load
 
-CODECS = ("fp,affine8,affine4,affine4:g32,turbo-k8v4,turbo-k4v4,turbo-k3v4,"
-          "turbo-k4v4,fp-edges|turbo-k3v4,fp-edges|turbo-k4v4,fp-sliding")
+CODECS = ("fp|affine8|affine4|affine4:g32|turbo-k8v4|turbo-k4v4|turbo-k3v4|turbo-k4v4,fp-edges"
+          "|turbo-k3v4,fp-edges|turbo-k4v4,fp-sliding")
 
 
 def passage() -> str:
@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1025, help="passage tokens (predicted: one less)")
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--decode-tokens", type=int, default=32)
-    ap.add_argument("--decode", default="fp,affine4,turbo-k8v4,turbo-k4v4",
+    ap.add_argument("--decode", default="fp|affine4|turbo-k8v4|turbo-k4v4",
                     help="codecs whose decode speed is measured ('|'-separated)")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--repeats", type=int, default=2)
@@ -109,7 +109,7 @@ def main() -> None:
         return text.split("|") if "|" in text else text.split(",")
 
     codecs = [c for c in names(args.codecs) if c]
-    timed = names(args.decode)
+    timed = [c for c in names(args.decode) if c]
     budget = parse_bytes(args.budget)
     batches = [int(b) for b in args.batches.split(",")]
     print(machine_line(f"KV codecs, passage {args.tokens} tokens in chunks of {args.chunk}, "
@@ -120,12 +120,9 @@ def main() -> None:
         runner = ModelRunner(model)
         ref = log_probs(runner, ids, args.chunk)
         base_bytes = measure_memory(runner).per_token
-        long_ids = [ids[:-1]]
-        rates = decode_rates(model, timed, batches, long_ids, args)
         print(f"\n## {name} (float32 weights; float K/V = {base_bytes} B/token)\n")
-        head = " | ".join([f"tok/s B={b}" for b in batches] + ["tok/s long"])
-        print(f"| codec | KV B/token | bits/elem | KL vs float | ppl | rows @ budget | {head} |")
-        print("|---" * (6 + len(batches) + 1) + "|")
+        print("| codec | KV B/token | bits/elem | KL vs float | ppl | rows @ budget |")
+        print("|---|---|---|---|---|---|")
         for codec in codecs:
             runner = ModelRunner(model, kv_codec=codec)
             per_token = measure_memory(runner).per_token
@@ -133,11 +130,19 @@ def main() -> None:
             kl, ppl = quality(ref, got, ids, args.chunk)
             rows = budget // (per_token * args.context)
             bits = 32 * per_token / base_bytes
-            fp = rates.get("fp", {})
-            cells = [f"{x:.1f}" + (f" ({x / fp[k]:.2f}x)" if k in fp and codec != "fp" else "")
-                     for k, x in rates.get(codec, {}).items()] or ["-"] * (len(batches) + 1)
-            print(f"| {codec} | {per_token} | {bits:.2f} | {kl:.4f} | {ppl:.3f} | {rows} | "
-                  f"{' | '.join(cells)} |", flush=True)
+            print(f"| {codec} | {per_token} | {bits:.2f} | {kl:.4f} | {ppl:.3f} | {rows} |",
+                  flush=True)
+        if not timed:
+            continue
+        rates = decode_rates(model, timed, batches, [ids[:-1]], args)
+        keys = [*map(str, batches), "long"]
+        print("\n| codec | " + " | ".join(f"decode tok/s B={k}" for k in keys) + " |")
+        print("|---" * (len(keys) + 1) + "|")
+        fp = rates.get("fp", {})
+        for codec, r in rates.items():
+            cells = [f"{r[k]:.1f}" + (f" ({r[k] / fp[k]:.2f}x)" if fp and codec != "fp" else "")
+                     for k in keys]
+            print(f"| {codec} | {' | '.join(cells)} |", flush=True)
 
 
 def decode_rates(model, timed: list[str], batches: list[int], long_ids, args) -> dict:

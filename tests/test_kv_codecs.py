@@ -216,7 +216,7 @@ def _prompts(n: int, seed: int = 0):
 @pytest.mark.parametrize(
     "arch,name",
     [("llama", "affine4:g32"), ("llama", "turbo-k8v4"), ("gemma3_text", "turbo-k3v4"),
-     ("qwen3", "affine8:g32,fp-edges")],
+     ("qwen3", "affine8:g32,fp-edges"), ("llama", "turbo-k3v4,center")],
 )
 def test_speculative_equals_plain_and_batched_equals_alone(tiny_model, arch, name):
     model = tiny_model(arch, head_dim=32)
@@ -265,3 +265,24 @@ def test_the_assistant_reads_donor_kv_decoded():
     assert mx.array_equal(keys, cache.fetch(keys.shape[2])[0]).item()
     rel = mx.abs(values[:, :, :9] - v).max() / mx.abs(v).max()
     assert rel.item() < 0.2 and valid[1, 0, 0, :6].tolist() == [True] * 5 + [False]
+
+
+def test_centering_is_span_safe_and_removes_a_common_component():
+    inner = parse_codec("turbo-k4v4").for_layer(2, None, edge=False).key
+    x = vectors((1, 2, 6, 64), 4) * 0.2 + vectors((2, 1, 64), 5)[None]  # a big per-head mean
+    center = mx.mean(x[0], axis=1, keepdims=True)
+    centered = parse_codec("turbo-k4v4,center").for_layer(2, None, False, (center, center)).key
+    assert not span_append_mismatch(centered, x)
+
+    def err(c):
+        back = c.unrotate(c.decode(c.encode(x), mx.float32))
+        return (mx.sum((back - x) ** 2) / mx.sum(x * x)).item()
+
+    assert err(centered) < err(inner) / 5
+
+
+def test_the_runner_calibrates_centers_per_layer(tiny_model):
+    runner = ModelRunner(tiny_model("llama", head_dim=32), kv_codec="turbo-k4v4,center")
+    leaves = runner.empty_rows().leaves()
+    assert all(c.codec.key.center.shape == (2, 1, 32) for c in leaves)
+    assert not mx.array_equal(leaves[0].codec.key.center, leaves[1].codec.key.center).item()

@@ -21,7 +21,9 @@ one would (`span_append_safe`; checked by `span_append_mismatch`). The rows
 engine refuses a codec that does not declare it.
 
 A codec name may carry per-layer options: `,fp-edges` keeps the first and last
-attention layers in float, `,fp-sliding` keeps sliding-window layers in float.
+attention layers in float, `,fp-sliding` keeps sliding-window layers in float;
+`,center` stores each vector minus its layer's calibrated per-head mean (`Centered`:
+a fixed model constant, measured once by the runner on `CALIBRATION`).
 `parse_codec` validates a name before any engine state exists; `check_dims`
 validates it against a model's head dims (and a family's declared kinds).
 
@@ -44,7 +46,10 @@ TURBO_BITS = (2, 3, 4, 8)
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 AFFINE_GROUPS = (32, 64, 128)
 KINDS = ("fp", "affine", "turbo")
-NAMES_HELP = "fp, affine8, affine4[:g32|g64|g128], turbo-kKvV (K,V in 2,3,4,8)[,fp-edges][,fp-sliding]"
+NAMES_HELP = (
+    "fp, affine8, affine4[:g32|g64|g128], turbo-kKvV (K,V in 2,3,4,8)"
+    "[,fp-edges][,fp-sliding][,center]"
+)
 
 
 class VectorCodec(Protocol):
@@ -296,6 +301,51 @@ class TurboCodec:
         return None
 
 
+@dataclass(frozen=True, eq=False)
+class Centered:
+    """A codec storing x - center (a fixed per-layer, per-head mean from a calibration
+    forward, `CALIBRATION`): keys share a large common component that costs bits but no
+    information. Decoding adds the center back (in the inner codec's attention space)."""
+
+    inner: VectorCodec
+    center: mx.array  # (Hkv, 1, D), the model's dtype
+
+    @property
+    def kind(self) -> str:
+        return self.inner.kind
+
+    @property
+    def span_append_safe(self) -> bool:
+        return self.inner.span_append_safe
+
+    def encode(self, x: mx.array) -> tuple[mx.array, ...]:
+        return self.inner.encode(x - self.center)
+
+    def decode(self, parts: tuple[mx.array, ...], dtype: mx.Dtype) -> mx.array:
+        return self.inner.decode(parts, dtype) + self.inner.rotate(self.center).astype(dtype)
+
+    def rotate(self, x: mx.array) -> mx.array:
+        return self.inner.rotate(x)
+
+    def unrotate(self, x: mx.array) -> mx.array:
+        return self.inner.unrotate(x)
+
+    def bytes_per_vector(self, dim: int) -> float:
+        return self.inner.bytes_per_vector(dim)
+
+    def check(self, dim: int) -> str | None:
+        return self.inner.check(dim)
+
+
+CALIBRATION = (
+    "The committee met on a cold morning to review the plans for the new library. Several "
+    "members asked how the building would be heated, who would pay for the books, and whether "
+    "the old reading room could be kept. After a long discussion they agreed to publish the "
+    "budget, invite comments from the town, and vote again in the spring. def mean(xs):\n"
+    "    return sum(xs) / len(xs)\n"
+)
+
+
 @dataclass(frozen=True)
 class KVCodec:
     """One layer's codec: keys and values (they may differ, e.g. turbo-k8v4)."""
@@ -330,19 +380,27 @@ class CodecSpec:
     group: int = 64
     fp_edges: bool = False
     fp_sliding: bool = False
+    center: bool = False
 
-    def for_layer(self, layer: int, window: int | None, edge: bool) -> KVCodec:
+    def for_layer(
+        self, layer: int, window: int | None, edge: bool,
+        centers: tuple[mx.array, mx.array] | None = None,
+    ) -> KVCodec:
         """Cache layer `layer`'s codec; window: a sliding layer's; edge: the first or last
-        attention layer. The turbo rotation's seed is fixed per layer."""
+        attention layer; centers: the layer's calibrated K and V means (with `,center`).
+        The turbo rotation's seed is fixed per layer."""
         if self.kind == "fp" or (self.fp_edges and edge) or (self.fp_sliding and window):
             return FP
+        key: VectorCodec
+        value: VectorCodec
         if self.kind == "affine":
-            c = AffineCodec(self.key_bits, self.group)
-            return KVCodec(self.name, c, c)
-        seed = 0x7A11 + 2 * layer
-        return KVCodec(
-            self.name, TurboCodec(self.key_bits, seed), TurboCodec(self.value_bits, seed + 1)
-        )
+            key = value = AffineCodec(self.key_bits, self.group)
+        else:
+            seed = 0x7A11 + 2 * layer
+            key, value = TurboCodec(self.key_bits, seed), TurboCodec(self.value_bits, seed + 1)
+        if centers is not None:
+            key, value = Centered(key, centers[0]), Centered(value, centers[1])
+        return KVCodec(self.name, key, value)
 
 
 _BASE = re.compile(r"^(?:(fp)|affine(\d+)(?::g(\d+))?|turbo-k(\d+)v(\d+))$")
@@ -352,10 +410,13 @@ def parse_codec(text: str) -> CodecSpec:
     """A codec name -> CodecSpec; ValueError naming the accepted names otherwise."""
     head, *options = [t.strip() for t in str(text).strip().lower().split(",")]
     m = _BASE.match(head)
-    bad = [o for o in options if o not in ("fp-edges", "fp-sliding")]
+    bad = [o for o in options if o not in ("fp-edges", "fp-sliding", "center")]
     if m is None or bad:
         raise ValueError(f"unknown kv codec {text!r}; known: {NAMES_HELP}")
-    flags = {"fp_edges": "fp-edges" in options, "fp_sliding": "fp-sliding" in options}
+    flags = {
+        "fp_edges": "fp-edges" in options, "fp_sliding": "fp-sliding" in options,
+        "center": "center" in options and not m.group(1),
+    }
     if m.group(1):
         return CodecSpec("fp", "fp")
     if m.group(2):
