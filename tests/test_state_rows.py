@@ -35,9 +35,14 @@ def same(a, b):
 PROMPTS = [[5, 9, 13, 200, 7], list(range(20, 70)), [3], list(range(100, 120))]
 
 
-@pytest.fixture(params=ARCHS)
+CODECS = [("llama", "turbo-k3v4"), ("gemma3_text", "turbo-k4v4,center"), ("lfm2", "turbo-k8v4")]
+
+
+@pytest.fixture(params=[(a, "fp") for a in ARCHS] + CODECS, ids="-".join)
 def runner(request, tiny_model):
-    return ModelRunner(tiny_model(request.param))
+    """Every check runs on float rows and on rows that store K/V through a KV codec."""
+    arch, codec = request.param
+    return ModelRunner(tiny_model(arch), kv_codec=codec)
 
 
 def alone(runner, i):
