@@ -287,7 +287,9 @@ class EngineCore:
                     r.prompt[:-1] + [0] * (width - n)
                     for r, n in zip(requests, lengths, strict=True)
                 ]
-                hidden = self.runner.forward(rows, mx.array(ids, dtype=mx.int32), lengths)
+                hidden = self.runner.forward(
+                    rows, mx.array(ids, dtype=mx.int32), lengths, prefill=True
+                )
                 mx.eval(*rows.arrays())
                 picks = mx.array([max(0, n - 1) for n in lengths], dtype=mx.int32)[:, None, None]
                 seen = mx.array([n > 0 for n in lengths])[:, None]

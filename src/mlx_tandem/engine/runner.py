@@ -117,8 +117,14 @@ class ModelRunner:
         assert hidden is not None
         return hidden[:, -1:]
 
-    def forward(self, rows: StateRows, ids: mx.array, lengths: list[int] | None = None) -> mx.array:
-        """Hidden states (B, L, D) for ids (B, L); afterwards row i's end advanced by lengths[i]."""
+    def forward(
+        self, rows: StateRows, ids: mx.array, lengths: list[int] | None = None,
+        prefill: bool = False,
+    ) -> mx.array:
+        """Hidden states (B, L, D) for ids (B, L); afterwards row i's end advanced by lengths[i].
+        `prefill`: prompts prefilled together — recurrent layers keep mlx-lm's block form
+        (shared by plain and speculative runs); otherwise they step token by token with
+        per-token checkpoints (kv/recurrent.py), so a verify block can rewind per row."""
         B, L = ids.shape
         assert rows.row_count == B
         before = rows.ends
@@ -127,12 +133,16 @@ class ModelRunner:
         if ragged:  # recurrent layers must not absorb the right padding
             for c in recurrent:
                 c.prepare(lengths=lengths)
-        hidden = self.graph.forward_hidden(ids, rows.layers)
+        self.block.recurrence = prefill
+        try:
+            hidden = self.graph.forward_hidden(ids, rows.layers)
+        finally:
+            self.block.recurrence = False
         if ragged:
             for c in recurrent:
                 c.finalize()
         advance = lengths if lengths is not None else [L] * B
-        rows.set_ends([e + n for e, n in zip(before, advance, strict=True)])
+        rows.set_ends([e + n for e, n in zip(before, advance, strict=True)], padding=True)
         return hidden
 
     def logits(self, hidden: mx.array, which: Which = "last") -> mx.array:

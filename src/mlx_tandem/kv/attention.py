@@ -40,6 +40,7 @@ class BlockMode:
     the runner; read by the rows engine's projections and attention routes."""
 
     on: bool = False
+    recurrence: bool = False  # rows prefilled together: recurrent layers in block form
 
 
 def invariant_attention(

@@ -3,28 +3,30 @@
 A recurrent layer (short convolution, Gated DeltaNet, Mamba 2) keeps its state in
 mlx-lm's `ArraysCache`; it cannot be rewound by moving a row's end. Plain decoding
 feeds it one token per step, and mlx-lm computes a multi-token block with other
-arithmetic (a longer convolution, Mamba's chunked SSD form), so a verify block
-must not use it. In the rows engine's model copy (kv/routing.route_attention)
-each recurrent module gets a `StepwiseLayer` subclass: outside a row's own
-prefill chunk (`BlockMode`) a call over L tokens runs mlx-lm's own `__call__` on
-one token at a time (the arithmetic of plain decoding; a ragged row's padding
-is masked, and its per-token length is 1 or -1, so that length-aware layers such as
-Falcon-H1's SSM index their one-token chunk) and records on the cache its state before the block and after each
-token (`Checkpoints`, an attribute of that `ArraysCache`; any row operation
-builds new caches, which have none). Prefill chunks keep block arithmetic: plain
-and speculative runs share them.
+arithmetic (a longer convolution, Mamba's chunked SSD form), so a verify block must
+not use it. In the rows engine's model copy (kv/routing.route_attention) each
+recurrent module gets a `StepwiseLayer` subclass: outside prefill (a row's own
+chunk, `BlockMode.on`; prompts prefilled together, `BlockMode.recurrence`) a call
+over L tokens runs mlx-lm's own `__call__` one token at a time — plain decoding's
+arithmetic; a ragged row's padding is masked and its per-token length is 1 or -1,
+so length-aware layers (Falcon-H1's SSM) index their one-token chunk — and records
+on the cache its state before the block and after each token (`Checkpoints`, an
+attribute of that `ArraysCache`; any row operation builds new caches, which have
+none). Prefill keeps mlx-lm's block form: plain and speculative runs share it, and
+it is never rewound.
 
-`rewind(cache, drop)` moves row i back by drop[i] tokens: it takes the row's
-checkpoint (one gather per state array), so after verification each row resumes
-from the state after its own last accepted token. Checkpoints live until the
-layer's next call (at most k+2 states per recurrent layer; those past every
-row's position are dropped at each rewind). kv/state_rows.StateRows.set_ends
-calls it with the drop it applies to the attention ends. `unrewindable(leaves)`
-names the recurrent caches a traced forward left without checkpoints (a layer
-this module does not wrap): engine/runner refuses speculation for them.
+`rewind(cache, drop)` moves row i back by drop[i] of the tokens it fed: it takes
+the row's checkpoint (one gather per state array), so after verification each row
+resumes from the state after its own last accepted token. StateRows.set_ends calls
+it (a ragged forward's padding is trimmed from attention only: `padding=True`).
+Checkpoints live until the layer's next call (at most k+2 states per layer; those
+past every row's position are dropped at each rewind). `unrewindable(leaves)` names
+the recurrent caches a traced forward left without checkpoints (a layer this module
+does not wrap): engine/runner refuses speculation for them.
 
 Oracle: tests/test_hybrid_spec.py (greedy speculation == plain on qwen3_5,
-qwen3_next and lfm2 targets; with the checkpoint restore disabled it fails).
+qwen3_next, lfm2, nemotron_h and falcon_h1 targets; with the checkpoint restore
+disabled it fails).
 """
 
 from __future__ import annotations
@@ -57,8 +59,9 @@ State = list[mx.array | None]
 
 @dataclass
 class Checkpoints:
-    """A recurrent cache's states during its last forward: states[j] after j of its tokens;
-    pos[i]: which of them row i holds now."""
+    """A recurrent cache's states during its last forward: states[j] after j of its tokens
+    (a ragged row's padding is masked: its state stays); pos[i]: which of them row i holds
+    now (first: the tokens it fed)."""
 
     states: list[State]
     pos: list[int] = field(default_factory=list)
@@ -82,11 +85,12 @@ class StepwiseLayer:
         x, mask, cache = a[self.input], a["mask"], a["cache"]
         if not isinstance(cache, ArraysCache):
             return self.call(*bound.args, **bound.kwargs)
-        if self.block.on:  # a row's own prefill chunk: block arithmetic, no rewind needed
+        if self.block.on or self.block.recurrence:  # prefill: block form, never rewound
             setattr(cache, CHECKPOINTS, None)
             return self.call(*bound.args, **bound.kwargs)
         L = x.shape[1]
         lengths = cache.lengths  # ragged rows (ModelRunner.forward): tokens each row feeds
+        fed = [L] * x.shape[0] if lengths is None else [min(L, n) for n in lengths.tolist()]
         states = [list(cache.cache)]
         outs = []
         for t in range(L):
@@ -98,7 +102,7 @@ class StepwiseLayer:
             states.append(list(cache.cache))
         if lengths is not None:
             cache.lengths = lengths - L  # as mlx-lm's block call leaves it
-        setattr(cache, CHECKPOINTS, Checkpoints(states, [L] * x.shape[0]))
+        setattr(cache, CHECKPOINTS, Checkpoints(states, fed))
         return outs[0] if L == 1 else mx.concatenate(outs, axis=1)
 
 

@@ -223,14 +223,16 @@ class StateRows:
                     stacked = mx.stack([src[n].cache[j] for src in sources])
                     leaf.cache[j] = stacked[picks, mx.arange(self.rows)]
 
-    def set_ends(self, ends: list[int]) -> None:
+    def set_ends(self, ends: list[int], padding: bool = False) -> None:
         """Rewind each row's state to `ends`: attention by end, recurrent layers to the
-        per-token checkpoint of their last forward (kv/recurrent.rewind)."""
+        per-token checkpoint of their last forward (kv/recurrent.rewind). `padding`: the
+        dropped columns are a ragged forward's right padding, which recurrent layers never
+        absorbed (masked): only attention ends move."""
         drop = [e - n for e, n in zip(self.ends, ends, strict=True)]
         for c in self.leaves():
             if isinstance(c, RowKVCache):
                 c.set_ends(ends)
-            elif isinstance(c, ArraysCache):
+            elif isinstance(c, ArraysCache) and not padding:
                 rewind(c, drop)
 
     def arrays(self) -> list[mx.array]:
