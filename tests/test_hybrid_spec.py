@@ -151,3 +151,14 @@ def test_tandem_generate_with_ngram_on_a_saved_qwen3_5_folder(tmp_path, capsys):
     spec = tokens("--draft-model", "ngram", "--num-draft-tokens", "4")
     assert spec["tokens"] == plain["tokens"] and len(plain["tokens"]) == 12
     assert spec["text"] == plain["text"]
+
+
+@pytest.mark.parametrize("name", ["lfm2", "falcon_h1"])
+def test_ragged_prefill_without_batch_invariance_still_runs(hybrid, name):
+    """Prompts prefilled together trim their padding from attention ends only: the recurrent
+    layers (masked) are never asked to rewind, wrapped or not."""
+    m, _, _ = hybrid(name)
+    prompts, params = workload()
+    engine = EngineCore(m, CFG.with_(batch_invariant=False))
+    results = run_with_gaps(engine, prompts[:4], params[:4], 3)
+    assert [len(r.tokens) for r in results] == [p.max_tokens for p in params[:4]]
