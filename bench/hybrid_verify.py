@@ -16,7 +16,9 @@ small, so the numbers are the layers' cost). Per B rows (prefilled with 64 token
                  (NOT exact, and no per-row rewind: the cost stepping adds, for reference).
 
 Median of --repeats timed runs after one warm-up, each on a fresh clone of the prefilled
-rows, everything evaluated.
+rows, everything evaluated. A second table: B short prompts (64 tokens, ragged by 3) prefilled
+together in one forward, in mlx-lm's block form (what the engine runs, `prefill=True`) and
+stepped token by token (what it would cost to step prefill too).
 
     .venv/bin/python bench/hybrid_verify.py
 """
@@ -126,12 +128,26 @@ def steps(runner: ModelRunner, block: ModelRunner, base: StateRows, k: int, seed
     return plain, ckpt, refeed, block_arith
 
 
+def prefill_costs(runner: ModelRunner, B: int, repeats: int, n: int = 64) -> tuple[float, float]:
+    rng = random.Random(B)
+    ids = mx.array([[rng.randrange(3, 250) for _ in range(n)] for _ in range(B)])
+    lengths = [n - 3 * i for i in range(B)]
+
+    def run(prefill: bool) -> None:
+        rows = runner.blank_rows(B)
+        hidden = runner.forward(rows, ids, lengths, prefill=prefill)
+        mx.eval(hidden, *rows.arrays())
+
+    return timed(lambda: run(True), repeats), timed(lambda: run(False), repeats)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--archs", default="qwen3_5,lfm2")
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--depths", default="2,4")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--prefill-batches", default="1,4")
     args = ap.parse_args()
     print(machine_line("hybrid verify: per-token checkpoints vs plain step vs snapshot+re-feed"))
     print("| model | B | plain ms | k | ckpt ms | ckpt/plain | refeed ms | refeed/ckpt "
@@ -157,6 +173,15 @@ def main() -> None:
                     print(f"| {arch} | {B} | {plain_s * 1e3:.1f} | {k} | {c * 1e3:.1f} | "
                           f"{c / plain_s:.2f} | {r * 1e3:.1f} | {r / c:.2f} | {b * 1e3:.1f} | "
                           f"{c / b:.2f} |", flush=True)  # fmt: skip
+        print()
+        print("| model | B | ragged prefill, 64 tokens: block s | stepped s | stepped/block |")
+        print("|---|---|---|---|---|")
+        for arch in args.archs.split(","):
+            runner = ModelRunner(model(arch, Path(tmp)))
+            for B in (int(b) for b in args.prefill_batches.split(",")):
+                block_s, step_s = prefill_costs(runner, B, max(1, args.repeats // 2))
+                print(f"| {arch} | {B} | {block_s:.2f} | {step_s:.2f} | {step_s / block_s:.2f} |",
+                      flush=True)  # fmt: skip
     mx.clear_streams()
 
 
