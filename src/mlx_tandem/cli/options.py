@@ -148,7 +148,8 @@ def add_draft_flags(p: argparse.ArgumentParser) -> None:
         "--draft-model",
         default=None,
         help="speculative decoding: a draft model (folder, .gguf, catalogue name) "
-        "sharing the target's tokenizer, 'ngram' for prompt lookup, or 'assistant' "
+        "sharing the target's tokenizer, 'ngram' for prompt lookup, 'mtp' for the target "
+        "checkpoint's own MTP layer (Qwen3-Next / Qwen3.5), or 'assistant' "
         "(the target's assistant drafter, shipped or from `tandem distill`; "
         "'assistant:sample' drafts sampled rows stochastically), or an assistant folder",
     )

@@ -25,11 +25,15 @@ DEPTHS = ("fixed", "adaptive")
 def build_drafter(
     spec: str, target: LoadedModel, config: RuntimeConfig, dtype: str = "auto"
 ) -> DraftSource:
-    """'ngram' -> prompt lookup; 'assistant[:MODE]' -> the target's assistant (shipped or
-    trained here); an assistant folder[:MODE]; anything else is a draft model (folder,
-    .gguf, catalogue name)."""
+    """'ngram' -> prompt lookup; 'mtp' -> the target checkpoint's MTP layer;
+    'assistant[:MODE]' -> the target's assistant (shipped or trained here); an assistant
+    folder[:MODE]; anything else is a draft model (folder, .gguf, catalogue name)."""
     if spec == "ngram":
         return PromptLookupSource()
+    if spec == "mtp":  # the target checkpoint's own multi-token-prediction layer
+        from mlx_tandem.drafters.mtp import MTPSource
+
+        return MTPSource(target)
     base, _, mode = spec.partition(":")
     if base == "assistant" or is_assistant_folder(Path(base).expanduser()):
         folder = find_assistant(target) if base == "assistant" else Path(base).expanduser()
