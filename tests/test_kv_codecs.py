@@ -16,6 +16,7 @@ from mlx_tandem.drafters.prompt_lookup import PromptLookupSource
 from mlx_tandem.engine.config import RuntimeConfig
 from mlx_tandem.engine.core import EngineCore
 from mlx_tandem.engine.runner import ModelRunner
+from mlx_tandem.kv.calibrated import Centered, LayerStats, Scaled
 from mlx_tandem.kv.codec import (
     AffineCodec,
     KVCodec,
@@ -216,7 +217,8 @@ def _prompts(n: int, seed: int = 0):
 @pytest.mark.parametrize(
     "arch,name",
     [("llama", "affine4:g32"), ("llama", "turbo-k8v4"), ("gemma3_text", "turbo-k3v4"),
-     ("qwen3", "affine8:g32,fp-edges"), ("llama", "turbo-k3v4,center")],
+     ("qwen3", "affine8:g32,fp-edges"), ("llama", "turbo-k3v4,center"),
+     ("gemma3_text", "turbo-k4v4,center,eq")],
 )
 def test_speculative_equals_plain_and_batched_equals_alone(tiny_model, arch, name):
     model = tiny_model(arch, head_dim=32)
@@ -271,7 +273,8 @@ def test_centering_is_span_safe_and_removes_a_common_component():
     inner = parse_codec("turbo-k4v4").for_layer(2, None, edge=False).key
     x = vectors((1, 2, 6, 64), 4) * 0.2 + vectors((2, 1, 64), 5)[None]  # a big per-head mean
     center = mx.mean(x[0], axis=1, keepdims=True)
-    centered = parse_codec("turbo-k4v4,center").for_layer(2, None, False, (center, center)).key
+    stats = LayerStats(center, center, mx.ones_like(center))
+    centered = parse_codec("turbo-k4v4,center").for_layer(2, None, False, stats).key
     assert not span_append_mismatch(centered, x)
 
     def err(c):
@@ -281,8 +284,31 @@ def test_centering_is_span_safe_and_removes_a_common_component():
     assert err(centered) < err(inner) / 5
 
 
-def test_the_runner_calibrates_centers_per_layer(tiny_model):
-    runner = ModelRunner(tiny_model("llama", head_dim=32), kv_codec="turbo-k4v4,center")
-    leaves = runner.empty_rows().leaves()
-    assert all(c.codec.key.center.shape == (2, 1, 32) for c in leaves)
-    assert not mx.array_equal(leaves[0].codec.key.center, leaves[1].codec.key.center).item()
+def test_the_runner_calibrates_per_layer(tiny_model):
+    runner = ModelRunner(tiny_model("llama", head_dim=32), kv_codec="turbo-k4v4,center,eq")
+    keys = [c.codec.key for c in runner.empty_rows().leaves()]
+    assert all(isinstance(k, Centered) and isinstance(k.inner, Scaled) for k in keys)
+    assert all(k.center.shape == k.inner.scale.shape == (2, 1, 32) for k in keys)
+    assert not mx.array_equal(keys[0].center, keys[1].center).item()
+    assert abs(mx.mean(keys[0].inner.scale ** 2).item() - 1) < 1e-4
+
+
+def test_scaling_keys_keeps_attention_and_fetch():
+    """Stored k / s, attended with q * s: the same attention (to rounding), keys fetched back."""
+    from mlx_tandem.kv.codec import FpCodec
+
+    scale = mx.abs(vectors((2, 1, 32), 3)) + 0.5
+    scaled = KVCodec("eq", Scaled(FpCodec(), scale), FpCodec())
+    q, k, v = vectors((1, 4, 3, 32), 1), vectors((1, 2, 3, 32), 2), vectors((1, 2, 3, 32), 3)
+    outs, caches = [], []
+    for codec in (scaled, parse_codec("fp").for_layer(0, None, False)):
+        cache = RowKVCache(codec=codec)
+        cache.ends = [0]
+        mask = cache.make_mask(3)
+        outs.append(cache.attend(q, *cache.update_and_fetch(k, v), scale=0.2, mask=mask))
+        caches.append(cache)
+    assert mx.allclose(outs[0], outs[1], atol=1e-5).item()
+    assert mx.allclose(caches[0].fetch(3)[0], k, atol=1e-5).item()
+    assert not mx.allclose(caches[0].kparts[0][:, :, :3], k, atol=1e-3).item()  # stored k / s
+    assert not span_append_mismatch(Scaled(parse_codec("turbo-k3v3").for_layer(
+        0, None, False).key, scale), vectors((1, 2, 5, 32), 9))

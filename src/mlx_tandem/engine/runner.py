@@ -27,7 +27,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from mlx_tandem.kv.attention import BlockMode
-from mlx_tandem.kv.codec import CALIBRATION, FP, CodecSpec, KVCodec, check_dims, parse_codec
+from mlx_tandem.kv.calibrated import CALIBRATION, layer_stats
+from mlx_tandem.kv.codec import FP, CodecSpec, KVCodec, check_dims, parse_codec
 from mlx_tandem.kv.recurrent import unrewindable
 from mlx_tandem.kv.row_cache import RowKVCache
 from mlx_tandem.kv.state_rows import StateRows
@@ -60,8 +61,8 @@ class ModelRunner:
     def _plan_codecs(self) -> None:
         """Each attention layer's codec, checked against its K/V dims (a traced forward)."""
         spec = self.kv_spec
-        probe = StateRows.blank(self.model.model, 1)
-        ids = self.model.encode_text(CALIBRATION) if spec.center else [0]
+        probe = StateRows.blank(self.model.model, 1, kind=_CalibrationKV)
+        ids = self.model.encode_text(CALIBRATION) if spec.calibrated else [0]
         self.graph.forward_hidden(mx.array([ids], dtype=mx.int32), probe.layers)
         kinds = make_prompt_cache(self.model.model)
         attention = [i for i, c in enumerate(probe.layers) if _first_kv(c) is not None]
@@ -70,8 +71,11 @@ class ModelRunner:
             cache = _first_kv(probe.layers[i])
             assert cache is not None and cache.kparts and cache.vparts
             window = getattr(kinds[i], "max_size", None)
-            centers = _means(cache) if spec.center else None
-            codec = spec.for_layer(i, window, i in (attention[0], attention[-1]), centers)
+            stats = None
+            if spec.calibrated:
+                assert isinstance(cache, _CalibrationKV) and cache.queries is not None
+                stats = layer_stats(*cache.fetch(cache.ends[0]), cache.queries)
+            codec = spec.for_layer(i, window, i in (attention[0], attention[-1]), stats)
             check_dims(spec, i, codec, cache.kparts[0].shape[3], cache.vparts[0].shape[3], declared)
             self._codecs[i] = codec
 
@@ -159,9 +163,11 @@ def _first_kv(cache: object) -> RowKVCache | None:
     return None
 
 
-def _means(cache: RowKVCache) -> tuple[mx.array, mx.array]:
-    """Per-head mean K and V (Hkv, 1, D) over the calibration tokens but the first (a sink)."""
-    keys, values = cache.fetch(cache.ends[0])
-    means = [mx.mean(a[0, :, 1:], axis=1, keepdims=True) for a in (keys, values)]
-    mx.eval(*means)
-    return means[0], means[1]
+class _CalibrationKV(RowKVCache):
+    """A float row cache that also keeps the queries of its last attention call."""
+
+    queries: mx.array | None = None
+
+    def attend(self, queries, *args, **kwargs) -> mx.array:
+        self.queries = queries
+        return super().attend(queries, *args, **kwargs)

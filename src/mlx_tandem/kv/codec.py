@@ -22,8 +22,9 @@ engine refuses a codec that does not declare it.
 
 A codec name may carry per-layer options: `,fp-edges` keeps the first and last
 attention layers in float, `,fp-sliding` keeps sliding-window layers in float;
-`,center` stores each vector minus its layer's calibrated per-head mean (`Centered`:
-a fixed model constant, measured once by the runner on `CALIBRATION`).
+`,center` stores each vector minus its layer's per-head mean and `,eq` divides keys by
+per-channel scales (queries multiplied by them), both fixed model constants measured
+once by the runner on `CALIBRATION` (kv/calibrated.py).
 `parse_codec` validates a name before any engine state exists; `check_dims`
 validates it against a model's head dims (and a family's declared kinds).
 
@@ -42,13 +43,15 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
+from mlx_tandem.kv.calibrated import Centered, LayerStats, Scaled
+
 TURBO_BITS = (2, 3, 4, 8)
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 AFFINE_GROUPS = (32, 64, 128)
 KINDS = ("fp", "affine", "turbo")
 NAMES_HELP = (
     "fp, affine8, affine4[:g32|g64|g128], turbo-kKvV (K,V in 2,3,4,8)"
-    "[,fp-edges][,fp-sliding][,center]"
+    "[,fp-edges][,fp-sliding][,center][,eq]"
 )
 
 
@@ -64,9 +67,17 @@ class VectorCodec(Protocol):
         """Vectors in the codec's attention space (rotated for turbo)."""
         ...
 
-    def rotate(self, x: mx.array) -> mx.array: ...
+    def rotate(self, x: mx.array) -> mx.array:
+        """Queries into the attention space (keys' codec) — q·k is unchanged."""
+        ...
 
-    def unrotate(self, x: mx.array) -> mx.array: ...
+    def embed(self, x: mx.array) -> mx.array:
+        """Stored vectors (model space) into the attention space (what decode returns)."""
+        ...
+
+    def unrotate(self, x: mx.array) -> mx.array:
+        """Attention space back to the model's (fetch; the output, for values)."""
+        ...
 
     def bytes_per_vector(self, dim: int) -> float: ...
 
@@ -86,6 +97,9 @@ class FpCodec:
         return parts[0]
 
     def rotate(self, x: mx.array) -> mx.array:
+        return x
+
+    def embed(self, x: mx.array) -> mx.array:
         return x
 
     def unrotate(self, x: mx.array) -> mx.array:
@@ -120,6 +134,9 @@ class AffineCodec:
         return out.reshape(*w.shape[:-1], -1).astype(dtype)
 
     def rotate(self, x: mx.array) -> mx.array:
+        return x
+
+    def embed(self, x: mx.array) -> mx.array:
         return x
 
     def unrotate(self, x: mx.array) -> mx.array:
@@ -264,6 +281,9 @@ class TurboCodec:
         y = mx.hadamard_transform(x * self._signs(d), scale=1 / math.sqrt(d))  # float32
         return y if y.dtype == x.dtype else y.astype(x.dtype)
 
+    def embed(self, x: mx.array) -> mx.array:
+        return self.rotate(x)
+
     def unrotate(self, x: mx.array) -> mx.array:
         d = x.shape[-1]
         x32 = x if x.dtype == mx.float32 else x.astype(mx.float32)
@@ -301,51 +321,6 @@ class TurboCodec:
         return None
 
 
-@dataclass(frozen=True, eq=False)
-class Centered:
-    """A codec storing x - center (a fixed per-layer, per-head mean from a calibration
-    forward, `CALIBRATION`): keys share a large common component that costs bits but no
-    information. Decoding adds the center back (in the inner codec's attention space)."""
-
-    inner: VectorCodec
-    center: mx.array  # (Hkv, 1, D), the model's dtype
-
-    @property
-    def kind(self) -> str:
-        return self.inner.kind
-
-    @property
-    def span_append_safe(self) -> bool:
-        return self.inner.span_append_safe
-
-    def encode(self, x: mx.array) -> tuple[mx.array, ...]:
-        return self.inner.encode(x - self.center)
-
-    def decode(self, parts: tuple[mx.array, ...], dtype: mx.Dtype) -> mx.array:
-        return self.inner.decode(parts, dtype) + self.inner.rotate(self.center).astype(dtype)
-
-    def rotate(self, x: mx.array) -> mx.array:
-        return self.inner.rotate(x)
-
-    def unrotate(self, x: mx.array) -> mx.array:
-        return self.inner.unrotate(x)
-
-    def bytes_per_vector(self, dim: int) -> float:
-        return self.inner.bytes_per_vector(dim)
-
-    def check(self, dim: int) -> str | None:
-        return self.inner.check(dim)
-
-
-CALIBRATION = (
-    "The committee met on a cold morning to review the plans for the new library. Several "
-    "members asked how the building would be heated, who would pay for the books, and whether "
-    "the old reading room could be kept. After a long discussion they agreed to publish the "
-    "budget, invite comments from the town, and vote again in the spring. def mean(xs):\n"
-    "    return sum(xs) / len(xs)\n"
-)
-
-
 @dataclass(frozen=True)
 class KVCodec:
     """One layer's codec: keys and values (they may differ, e.g. turbo-k8v4)."""
@@ -381,13 +356,17 @@ class CodecSpec:
     fp_edges: bool = False
     fp_sliding: bool = False
     center: bool = False
+    eq: bool = False
+
+    @property
+    def calibrated(self) -> bool:
+        return self.center or self.eq
 
     def for_layer(
-        self, layer: int, window: int | None, edge: bool,
-        centers: tuple[mx.array, mx.array] | None = None,
+        self, layer: int, window: int | None, edge: bool, stats: LayerStats | None = None
     ) -> KVCodec:
         """Cache layer `layer`'s codec; window: a sliding layer's; edge: the first or last
-        attention layer; centers: the layer's calibrated K and V means (with `,center`).
+        attention layer; stats: the layer's calibration (with `,center` / `,eq`).
         The turbo rotation's seed is fixed per layer."""
         if self.kind == "fp" or (self.fp_edges and edge) or (self.fp_sliding and window):
             return FP
@@ -398,8 +377,10 @@ class CodecSpec:
         else:
             seed = 0x7A11 + 2 * layer
             key, value = TurboCodec(self.key_bits, seed), TurboCodec(self.value_bits, seed + 1)
-        if centers is not None:
-            key, value = Centered(key, centers[0]), Centered(value, centers[1])
+        if stats is not None and self.eq:
+            key = Scaled(key, stats.key_scale)
+        if stats is not None and self.center:
+            key, value = Centered(key, stats.key_mean), Centered(value, stats.value_mean)
         return KVCodec(self.name, key, value)
 
 
@@ -410,12 +391,13 @@ def parse_codec(text: str) -> CodecSpec:
     """A codec name -> CodecSpec; ValueError naming the accepted names otherwise."""
     head, *options = [t.strip() for t in str(text).strip().lower().split(",")]
     m = _BASE.match(head)
-    bad = [o for o in options if o not in ("fp-edges", "fp-sliding", "center")]
+    bad = [o for o in options if o not in ("fp-edges", "fp-sliding", "center", "eq")]
     if m is None or bad:
         raise ValueError(f"unknown kv codec {text!r}; known: {NAMES_HELP}")
     flags = {
         "fp_edges": "fp-edges" in options, "fp_sliding": "fp-sliding" in options,
         "center": "center" in options and not m.group(1),
+        "eq": "eq" in options and not m.group(1),
     }
     if m.group(1):
         return CodecSpec("fp", "fp")

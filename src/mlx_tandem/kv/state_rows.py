@@ -136,17 +136,22 @@ class StateRows:
         self.rows = rows
 
     @classmethod
-    def empty(cls, model: nn.Module, plan: CodecPlan = _fp_plan) -> StateRows:
+    def empty(
+        cls, model: nn.Module, plan: CodecPlan = _fp_plan, kind: type[RowKVCache] = RowKVCache
+    ) -> StateRows:
         """No rows yet; layer kinds mirror mlx-lm's `make_prompt_cache(model)`; `plan` gives
-        each attention layer's KV codec (default: float)."""
+        each attention layer's KV codec (default: float); `kind` the row-cache class."""
         return cls(
-            [_row_kind(c, RowKVCache, i, plan) for i, c in enumerate(make_prompt_cache(model))], 0
+            [_row_kind(c, kind, i, plan) for i, c in enumerate(make_prompt_cache(model))], 0
         )
 
     @classmethod
-    def blank(cls, model: nn.Module, rows: int, plan: CodecPlan = _fp_plan) -> StateRows:
+    def blank(
+        cls, model: nn.Module, rows: int, plan: CodecPlan = _fp_plan,
+        kind: type[RowKVCache] = RowKVCache,
+    ) -> StateRows:
         """`rows` rows holding no tokens yet."""
-        empty = cls.empty(model, plan)
+        empty = cls.empty(model, plan, kind)
         return cls([_blank(c, rows) for c in empty.layers], rows)
 
     def leaves(self) -> list[Any]:
