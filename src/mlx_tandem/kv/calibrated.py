@@ -65,6 +65,13 @@ class Centered:
 
     inner: Any  # a kv/codec.py VectorCodec
     center: mx.array  # (Hkv, 1, D)
+    embedded: mx.array  # the center in the inner codec's attention space
+
+    @classmethod
+    def of(cls, inner: Any, center: mx.array) -> Centered:
+        embedded = inner.embed(center)
+        mx.eval(embedded)
+        return cls(inner, center, embedded)
 
     @property
     def kind(self) -> str:
@@ -78,7 +85,7 @@ class Centered:
         return self.inner.encode(x - self.center)
 
     def decode(self, parts: tuple[mx.array, ...], dtype: mx.Dtype) -> mx.array:
-        return self.inner.decode(parts, dtype) + self.inner.embed(self.center).astype(dtype)
+        return self.inner.decode(parts, dtype) + self.embedded.astype(dtype)
 
     def rotate(self, x: mx.array) -> mx.array:
         return self.inner.rotate(x)

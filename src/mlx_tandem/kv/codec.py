@@ -380,7 +380,7 @@ class CodecSpec:
         if stats is not None and self.eq:
             key = Scaled(key, stats.key_scale)
         if stats is not None and self.center:
-            key, value = Centered(key, stats.key_mean), Centered(value, stats.value_mean)
+            key, value = Centered.of(key, stats.key_mean), Centered.of(value, stats.value_mean)
         return KVCodec(self.name, key, value)
 
 
