@@ -12,6 +12,8 @@ validated here, before any engine state exists.
                               the batch (default 1; 0 is faster at small batch, not exact)
     TANDEM_KV_CODEC           how rows store committed K/V: fp (default), affine8, affine4[:gN],
                               turbo-kKvV, with optional ,fp-edges / ,fp-sliding (kv/codec.py)
+    TANDEM_PREFIX_CACHE_BYTES bytes of earlier prompts' chunks kept for reuse (kv/prefix_cache.py):
+                              0 off (default here; `tandem serve` sizes it), "auto" from free memory
 
 There is no compiled-decode switch: the decode step keeps per-row cache bookkeeping
 on the host, and compiling its attention kernel alone measured 0.8x-1.3x
@@ -45,6 +47,14 @@ def parse_bytes(text: str) -> int:
     return value
 
 
+def parse_cache_bytes(text: str) -> int | None:
+    """A prefix-cache size: bytes (K/M/G suffix), 0 (off) or "auto" (None)."""
+    t = text.strip().lower()
+    if t == "auto":
+        return None
+    return 0 if t in ("0", "off") else parse_bytes(text)
+
+
 def _bool(text: str, name: str) -> bool:
     t = text.strip().lower()
     if t in ("1", "true", "yes", "on"):
@@ -63,6 +73,7 @@ class RuntimeConfig:
     max_queue: int = 256
     batch_invariant: bool = True
     kv_codec: str = "fp"
+    prefix_cache_bytes: int | None = 0  # None: sized from free memory when the engine is built
 
     def __post_init__(self) -> None:
         if self.max_rows < 1:
@@ -76,6 +87,8 @@ class RuntimeConfig:
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         parse_codec(self.kv_codec)  # ValueError naming the known codecs
+        if self.prefix_cache_bytes is not None and self.prefix_cache_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
 
     @classmethod
     def resolve(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> RuntimeConfig:
@@ -93,6 +106,8 @@ class RuntimeConfig:
                 values[f.name] = _bool(raw, name)
             elif f.name == "kv_codec":
                 values[f.name] = raw
+            elif f.name == "prefix_cache_bytes":
+                values[f.name] = parse_cache_bytes(raw)
             else:
                 try:
                     values[f.name] = int(raw)

@@ -36,12 +36,18 @@ from mlx_tandem.engine.constraint import GrammarCompiler, grammar_masks
 from mlx_tandem.engine.depth import DepthPolicy, FixedDepth
 from mlx_tandem.engine.draft_source import Drafts, DraftSource
 from mlx_tandem.engine.postprocess import accept_tokens
-from mlx_tandem.engine.prefill import PrefillPolicy
+from mlx_tandem.engine.prefill import PrefillPolicy, keep_in_cache, start_from_cache
 from mlx_tandem.engine.request import Request, RequestHandle, new_request
 from mlx_tandem.engine.runner import ModelRunner
 from mlx_tandem.engine.sampling import SamplingParams
-from mlx_tandem.engine.scheduler import Scheduler, default_budget, measure_memory
+from mlx_tandem.engine.scheduler import (
+    Scheduler,
+    default_budget,
+    measure_memory,
+    prefix_cache_budget,
+)
 from mlx_tandem.engine.verify import Verdict, verify
+from mlx_tandem.kv.prefix_cache import PrefixCache
 from mlx_tandem.kv.state_rows import StateRows
 from mlx_tandem.models.families import check_engine, recurrent_refusal
 from mlx_tandem.models.loader import LoadedModel
@@ -76,6 +82,11 @@ class EngineCore:
         self.prefill_policy = PrefillPolicy.resolve(model.config, self.config, budget, device)
         memory = measure_memory(self.runner)
         self.scheduler = Scheduler(self.config.max_rows, budget, memory, self.config.max_queue)
+        cache_bytes = self.config.prefix_cache_bytes
+        if cache_bytes is None:
+            cache_bytes = prefix_cache_budget(model, budget)
+        if cache_bytes:
+            self.scheduler.prefix_cache = PrefixCache(cache_bytes, self.prefill_policy.chunk)
         self.running: list[Request] = []
         self.rows: StateRows = self.runner.empty_rows()
         self._long_turn = False  # whether a long prompt's chunk goes next (alternation)
@@ -302,14 +313,17 @@ class EngineCore:
     def _prefill_one_chunk(self, request: Request) -> None:
         """Advance a joining request by one chunk; join the cohort when its prompt is done."""
         try:
+            last = self.runner.no_hidden(1)
             if request.joining is None:
                 request.joining = self.runner.blank_rows(1)
+                hit = start_from_cache(self.scheduler.prefix_cache, request)  # engine/prefill.py
+                last = last if hit is None else hit
             todo = request.prompt[request.prefilled : len(request.prompt) - 1]
             piece = todo[: self.prefill_policy.chunk]
-            last = self.runner.no_hidden(1)
             if piece:
                 last = self.runner.prefill(request.joining, piece, self.prefill_policy.chunk)[:, 0]
                 request.prefilled += len(piece)
+                keep_in_cache(self.scheduler.prefix_cache, request, last)
             if request.prefilled == len(request.prompt) - 1:
                 self._join([request], request.joining, last)
         except Exception as err:  # the cohort is untouched: the row never joined

@@ -16,8 +16,15 @@ Two separate decisions, because only one of them may touch arithmetic:
 The chunk also bounds the activation memory of one chunk (attention scores grow
 with chunk x context).
 
+The prefix cache's two hooks live here too (`start_from_cache`, `keep_in_cache`): a
+long prompt's row looks its whole chunks up before its first chunk and, after each
+chunk it computes, offers that chunk as a block (kv/prefix_cache.py). Blocks are
+whole chunks, so a warm row's remaining chunks have a cold row's boundaries. Prompts
+of at most one chunk (prefilled together, other arithmetic) never touch the cache.
+
 Oracle: tests/test_engine.py (chunked prefill on/off gives the same tokens; a
-short prompt behind a long one is served before the long one's prefill ends).
+short prompt behind a long one is served before the long one's prefill ends);
+tests/test_prefix_cache.py (warm == cold).
 """
 
 from __future__ import annotations
@@ -25,7 +32,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
+
 from mlx_tandem.engine.config import RuntimeConfig
+from mlx_tandem.engine.request import Request
+from mlx_tandem.kv.prefix_cache import Block, PrefixCache
 
 MIN_CHUNK, MAX_CHUNK, ALIGN = 64, 2048, 64
 CHUNK_FLOPS = {"cpu": 40e9, "gpu": 2e12}  # forward FLOPs one chunk may take, per device kind
@@ -70,3 +81,32 @@ class PrefillPolicy:
         chunk = min(memory_budget // 8 // per_token, affordable)
         chunk = max(MIN_CHUNK, min(MAX_CHUNK, chunk // ALIGN * ALIGN))
         return cls(chunk, stall)
+
+
+def start_from_cache(cache: PrefixCache | None, request: Request) -> mx.array | None:
+    """Before a long prompt's first chunk: load its cached whole chunks into its blank
+    joining row (`request.joining`) and mark them prefilled. Returns the final hidden at
+    the last cached token, or None on a miss. Never the pending last prompt token."""
+    if cache is None or request.joining is None or request.prefilled:
+        return None
+    blocks = cache.lookup(request.prompt[: len(request.prompt) - 1])
+    if not blocks:
+        return None
+    request.joining.load_spans([b.span for b in blocks])
+    request.prefilled = blocks[-1].span.end
+    return blocks[-1].hidden
+
+
+def keep_in_cache(cache: PrefixCache | None, request: Request, last: mx.array) -> None:
+    """After a chunk of a long prompt: offer it as a block if it was a whole one
+    (`last`: the final hidden (1, D) at its last token)."""
+    rows, end = request.joining, request.prefilled
+    if cache is None or rows is None or end % cache.block or rows.ends != [end]:
+        return
+
+    def block() -> Block:
+        hidden = mx.contiguous(last)
+        mx.eval(hidden)
+        return Block(rows.copy_span(end - cache.block), hidden)
+
+    cache.insert(request.prompt[:end], block)

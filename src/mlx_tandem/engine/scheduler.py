@@ -5,7 +5,9 @@ it when it leaves. Requests that could never fit (alone over the budget or
 the context window) are refused at submit; the others wait in FIFO order —
 a large request at the head is not overtaken, so it cannot starve.
 `measure_memory` finds the bytes per token with one real forward;
-`default_budget` is half the device's memory minus the weights.
+`default_budget` is half the device's memory minus the weights. The scheduler also
+holds the engine's prefix cache (kv/prefix_cache.py, None when off): what the KV
+budget leaves, `prefix_cache_budget` sizes it from.
 
 Oracle: tests/test_engine.py (budget limits concurrent rows; what cannot fit is
 refused at submit; every reservation is returned).
@@ -22,6 +24,7 @@ from mlx.utils import tree_flatten
 
 from mlx_tandem.engine.request import Request
 from mlx_tandem.engine.runner import ModelRunner
+from mlx_tandem.kv.prefix_cache import PrefixCache
 from mlx_tandem.kv.row_cache import RowKVCache
 from mlx_tandem.models.loader import LoadedModel
 
@@ -46,6 +49,7 @@ class Scheduler:
     waiting: deque[Request] = field(default_factory=deque)
     joining: list[Request] = field(default_factory=list)
     reserved: int = 0
+    prefix_cache: PrefixCache | None = None
     _reservations: dict[str, int] = field(default_factory=dict)
 
     def need(self, request: Request) -> int:
@@ -110,11 +114,24 @@ def measure_memory(runner: ModelRunner) -> MemoryModel:
     return MemoryModel(per_token=per_token, per_row=per_row)
 
 
+def _device_memory() -> int:
+    try:
+        return int(mx.device_info()["memory_size"])
+    except (AttributeError, KeyError, RuntimeError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _weights(model: LoadedModel) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(model.model.parameters()))
+
+
 def default_budget(model: LoadedModel) -> int:
     """Half of the device's memory, minus the weights, at least 256 MiB."""
-    try:
-        total = int(mx.device_info()["memory_size"])
-    except (AttributeError, KeyError, RuntimeError):
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    weights = sum(v.nbytes for _, v in tree_flatten(model.model.parameters()))
-    return max(256 << 20, total // 2 - weights)
+    return max(256 << 20, _device_memory() // 2 - _weights(model))
+
+
+def prefix_cache_budget(model: LoadedModel, kv_budget: int) -> int:
+    """A quarter of what the weights and the KV budget leave of the device's memory
+    (0 when nothing is left), at most 8 GiB."""
+    left = _device_memory() - _weights(model) - kv_budget
+    return max(0, min(8 << 30, left // 4))

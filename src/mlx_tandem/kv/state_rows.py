@@ -23,6 +23,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 import mlx.core as mx
@@ -33,7 +34,7 @@ from mlx_tandem.kv.attention import BlockMode
 from mlx_tandem.kv.codec import FP, KVCodec
 from mlx_tandem.kv.recurrent import rewind
 from mlx_tandem.kv.routing import attention_route, route_attention
-from mlx_tandem.kv.row_cache import RowKVCache
+from mlx_tandem.kv.row_cache import PAGE, RowKVCache
 
 LayerCache = Any  # RowKVCache | ArraysCache | CacheList
 CodecPlan = Callable[[int, "int | None"], KVCodec]  # (layer, window) -> that layer's codec
@@ -49,6 +50,25 @@ class PreparedChange:
 
     commit: Callable[[], None]
     dispose: Callable[[], None]
+
+
+@dataclass(frozen=True)
+class RowSpan:
+    """One row's state over its columns [start, end): per leaf (StateRows.leaves order), an
+    attention layer's stored parts of those columns (k parts, v parts, the K/V dtype) or a
+    recurrent layer's arrays at `end`. Fresh copies: nothing else holds their buffers."""
+
+    start: int
+    end: int
+    leaves: tuple[Any, ...]
+
+    @property
+    def nbytes(self) -> int:
+        total = 0
+        for leaf in self.leaves:
+            arrays = [*leaf[0], *leaf[1]] if isinstance(leaf, tuple) else leaf
+            total += sum(a.nbytes for a in arrays if a is not None)
+        return total
 
 
 # --- per-kind primitives ----------------------------------------------------------
@@ -240,6 +260,44 @@ class StateRows:
             elif isinstance(c, ArraysCache) and not padding:
                 rewind(c, drop)
 
+    # --- one row's spans (the prefix cache, kv/prefix_cache.py) -------------------------
+    def copy_span(self, start: int) -> RowSpan:
+        """Copy out this one-row state's columns [start, end) (end: the row's end), as
+        stored by each layer's codec, and each recurrent layer's state at the end."""
+        assert self.rows == 1, "copy_span reads a one-row StateRows"
+        end = self.ends[0]
+        assert 0 <= start < end
+        leaves: list[Any] = []
+        for c in self.leaves():
+            if isinstance(c, RowKVCache):
+                assert c.kparts is not None and c.vparts is not None
+                k = tuple(mx.contiguous(p[:, :, start:end]) for p in c.kparts)
+                v = tuple(mx.contiguous(p[:, :, start:end]) for p in c.vparts)
+                leaves.append((k, v, c.dtype))
+            else:
+                leaves.append([None if a is None else mx.contiguous(a) for a in c.cache])
+        span = RowSpan(start, end, tuple(leaves))
+        mx.eval(*[a for leaf in leaves for a in (
+            [*leaf[0], *leaf[1]] if isinstance(leaf, tuple) else leaf) if a is not None])
+        return span
+
+    def load_spans(self, spans: list[RowSpan]) -> None:
+        """Fill this blank one-row state from consecutive spans starting at column 0: the
+        row holds their columns (each layer's buffer zero-padded to whole pages, as a row
+        that computed them holds) and the last span's recurrent state."""
+        assert self.rows == 1 and self.ends == [0] and spans and spans[0].start == 0
+        assert all(a.end == b.start for a, b in pairwise(spans))
+        end = spans[-1].end
+        capacity = -(-end // PAGE) * PAGE
+        for n, c in enumerate(self.leaves()):
+            if isinstance(c, RowKVCache):
+                parts = [s.leaves[n] for s in spans]
+                c.kparts = _joined([p[0] for p in parts], capacity)
+                c.vparts = _joined([p[1] for p in parts], capacity)
+                c.dtype, c.ends = parts[0][2], [end]
+            else:
+                c.cache = list(spans[-1].leaves[n])
+
     def arrays(self) -> list[mx.array]:
         out: list[mx.array] = []
         for c in self.leaves():
@@ -247,6 +305,16 @@ class StateRows:
                 a for a in (c.state if isinstance(c, RowKVCache) else c.cache) if a is not None
             )
         return out
+
+
+def _joined(pieces: list[tuple[mx.array, ...]], capacity: int) -> tuple[mx.array, ...]:
+    """Column pieces of each part concatenated, zero-padded to `capacity` columns."""
+    out = []
+    for columns in zip(*pieces, strict=True):
+        a = mx.concatenate(list(columns), axis=2)
+        pad = capacity - a.shape[2]
+        out.append(mx.pad(a, [(0, 0), (0, 0), (0, pad), (0, 0)]) if pad else a)
+    return tuple(out)
 
 
 # --- the model copy the rows run on -----------------------------------------------

@@ -1,0 +1,183 @@
+"""The prefix cache: warm rows equal cold rows bit for bit; eviction keeps its budget."""
+
+import random
+
+import mlx.core as mx
+import pytest
+
+from mlx_tandem import SamplingParams
+from mlx_tandem.engine.config import RuntimeConfig, parse_cache_bytes
+from mlx_tandem.engine.core import EngineCore
+from mlx_tandem.kv.prefix_cache import Block, PrefixCache
+from mlx_tandem.kv.state_rows import RowSpan
+from mlx_tandem.server.metrics import Metrics, parse
+
+from conftest import run_with_gaps
+
+CHUNK = 16
+
+
+def config(cache_bytes: int, **kw) -> RuntimeConfig:
+    return RuntimeConfig.resolve(
+        environ={}, prefill_chunk=CHUNK, prefix_cache_bytes=cache_bytes, **kw
+    )
+
+
+def params(i: int) -> SamplingParams:
+    if i % 2:
+        return SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=i, logprobs=3)
+    return SamplingParams(max_tokens=8, logprobs=3)
+
+
+def outputs(results) -> list:
+    """Tokens and every logprob (chosen and top): equal only if the logits are."""
+    return [(r.tokens, [(t.logprob, t.top) for t in r.logprobs]) for r in results]
+
+
+def prompts(seed: int) -> list[list[int]]:
+    """Prompts sharing prefixes of 0-3 whole chunks, tails of assorted lengths."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 250) for _ in range(3 * CHUNK + 5)]
+    out = []
+    for cut in (3 * CHUNK, 2 * CHUNK + 7, CHUNK, 3 * CHUNK + 5, 0, 3 * CHUNK):
+        tail = [rng.randrange(3, 250) for _ in range(rng.choice([1, 2, 9, CHUNK + 1, 30]))]
+        out.append(shared[:cut] + tail)
+    out.append(shared[: 2 * CHUNK + 1])  # a full hit: every prefilled token is cached
+    out.append(shared[: 2 * CHUNK + 1])  # the same prompt again
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "lfm2", "qwen3_5"])
+def test_warm_rows_equal_cold_rows(tiny_model, arch):
+    """Every request served from cached chunks gives the tokens and logprobs of the same
+    request run alone on an engine without a cache (hybrids: recurrent-state snapshots)."""
+    model = tiny_model(arch)
+    ps = prompts(1)
+    cold = []
+    for i, p in enumerate(ps):
+        engine = EngineCore(model, config(0))
+        assert engine.scheduler.prefix_cache is None
+        h = engine.submit(p, params(i))
+        engine.run_until_idle()
+        cold.append(h.result())
+    engine = EngineCore(model, config(1 << 30, max_rows=4))
+    warm = run_with_gaps(engine, ps, [params(i) for i in range(len(ps))], seed=3)
+    assert outputs(warm) == outputs(cold)
+    stats = engine.scheduler.prefix_cache.stats
+    assert stats.hits >= 4 and stats.hit_tokens >= 8 * CHUNK, stats
+    # sequentially: each prompt's whole shared chunks were cached by an earlier row
+    engine = EngineCore(model, config(1 << 30))
+    for i, p in enumerate(ps):
+        h = engine.submit(p, params(i))
+        engine.run_until_idle()
+        assert outputs([h.result()]) == outputs([cold[i]]), i
+    assert engine.scheduler.prefix_cache.stats.hits >= 5
+
+
+def test_speculative_rows_hit_and_stay_exact(tiny_model):
+    """With prompt lookup drafting, warm rows (a full hit included) equal cold rows."""
+    from mlx_tandem.drafters.prompt_lookup import PromptLookupSource
+
+    model = tiny_model("llama")
+    ps = prompts(2)
+    ps = [p + p[-6:] * 3 for p in ps]  # repeats, so prompt lookup drafts something
+
+    def run(cache: int) -> list:
+        engine = EngineCore(model, config(cache), drafter=PromptLookupSource())
+        out = []
+        for i, p in enumerate(ps):
+            h = engine.submit(p, params(i))
+            engine.run_until_idle()
+            out.append(h.result())
+        return out
+
+    assert outputs(run(1 << 30)) == outputs(run(0))
+
+
+def test_eviction_keeps_the_budget_over_200_requests(tiny_model):
+    """200 requests over a few shared prefixes, a budget of a few blocks: the cache never
+    holds more bytes than its budget (counted from the arrays it holds), evicts, still hits."""
+    model = tiny_model("lfm2")
+    probe = EngineCore(model, config(1 << 30))
+    h = probe.submit(list(range(3, 3 + CHUNK + 2)), SamplingParams(max_tokens=1))
+    probe.run_until_idle()
+    h.result()
+    block_bytes = probe.scheduler.prefix_cache.bytes
+    assert block_bytes > 0
+    budget = 5 * block_bytes + block_bytes // 2
+    engine = EngineCore(model, config(budget, max_rows=6))
+    cache = engine.scheduler.prefix_cache
+    rng = random.Random(7)
+    roots = [[rng.randrange(3, 250) for _ in range(4 * CHUNK)] for _ in range(6)]
+    handles = []
+    for i in range(200):
+        root = rng.choice(roots[: 2 + i // 40])
+        prompt = root[: rng.choice([CHUNK, 2 * CHUNK, 3 * CHUNK, 4 * CHUNK])]
+        prompt = prompt + [rng.randrange(3, 250) for _ in range(rng.randrange(1, 12))]
+        handles.append(engine.submit(prompt, SamplingParams(max_tokens=rng.randrange(1, 4))))
+        for _ in range(rng.randrange(3)):
+            engine.step()
+            assert cache.bytes <= budget
+            assert held_bytes(cache) == cache.bytes
+    while engine.busy():
+        engine.step()
+        assert cache.bytes <= budget
+    assert all(h.result().finish_reason == "length" for h in handles)
+    assert held_bytes(cache) == cache.bytes <= budget
+    assert cache.stats.evicted > 0 and cache.stats.hits > 20, cache.stats
+
+
+def held_bytes(cache: PrefixCache) -> int:
+    return sum(n.block.nbytes for n in cache._nodes())
+
+
+def fake_block(nbytes: int) -> Block:
+    return Block(RowSpan(0, 1, ([mx.zeros((nbytes // 4,), mx.float32)],)), mx.zeros((0,)))
+
+
+def test_lru_evicts_leaves_and_protects_the_path():
+    cache = PrefixCache(budget=300, block=2)
+    assert cache.insert([1, 2], lambda: fake_block(100))
+    assert cache.insert([1, 2, 3, 4], lambda: fake_block(100))
+    assert cache.insert([5, 6], lambda: fake_block(100))
+    assert len(cache.lookup([1, 2, 3, 4, 9])) == 2  # touches [1,2] and [1,2,3,4]
+    # room for a child of [5,6]: the oldest leaf not on its path is [1,2,3,4]
+    assert cache.insert([5, 6, 7, 8], lambda: fake_block(100))
+    assert len(cache.lookup([1, 2, 3, 4])) == 1 and cache.bytes == 300
+    assert cache.stats.evicted == 1
+    assert not cache.insert([9, 9], lambda: fake_block(400))  # larger than the budget
+    assert not cache.insert([7, 7, 1, 1], lambda: fake_block(4))  # its parent is not cached
+    built = []
+    assert cache.insert([5, 6], lambda: built.append(1) or fake_block(4))  # already there
+    assert not built and cache.bytes == 300
+    with pytest.raises(ValueError, match="whole blocks"):
+        cache.insert([1, 2, 3], lambda: fake_block(4))
+    with pytest.raises(ValueError, match="positive"):
+        PrefixCache(0, 2)
+
+
+def test_config_and_metrics(tiny_model):
+    assert parse_cache_bytes("auto") is None and parse_cache_bytes("0") == 0
+    assert parse_cache_bytes("2M") == 2 << 20
+    assert RuntimeConfig.resolve(environ={"TANDEM_PREFIX_CACHE_BYTES": "1G"}).prefix_cache_bytes == (
+        1 << 30
+    )
+    assert RuntimeConfig.resolve(environ={}).prefix_cache_bytes == 0  # off unless asked
+    with pytest.raises(ValueError, match="prefix_cache_bytes"):
+        RuntimeConfig.resolve(environ={}, prefix_cache_bytes=-1)
+    model = tiny_model("llama")
+    auto = EngineCore(model, RuntimeConfig.resolve(environ={}).with_(prefix_cache_bytes=None))
+    assert auto.scheduler.prefix_cache is not None and auto.scheduler.prefix_cache.budget > 0
+    engine = EngineCore(model, config(1 << 30))
+    for _ in range(2):
+        engine.submit(list(range(3, 3 + 2 * CHUNK + 3)), SamplingParams(max_tokens=2))
+        engine.run_until_idle()
+    values = parse(Metrics("tiny").render(engine))
+    assert values["tandem_prefix_cache_lookups_total"] == 2
+    assert values["tandem_prefix_cache_hits_total"] == 1
+    assert values["tandem_prefix_cache_hit_tokens_total"] == 2 * CHUNK
+    assert values["tandem_prefix_cache_hit_rate"] == 0.5
+    assert values["tandem_prefix_cache_bytes"] == engine.scheduler.prefix_cache.bytes > 0
+    assert values["tandem_prefix_cache_budget_bytes"] == 1 << 30
+    off = parse(Metrics("tiny").render(EngineCore(model, config(0))))
+    assert off["tandem_prefix_cache_bytes"] == 0 and off["tandem_prefix_cache_budget_bytes"] == 0
