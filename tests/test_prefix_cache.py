@@ -181,3 +181,40 @@ def test_config_and_metrics(tiny_model):
     assert values["tandem_prefix_cache_budget_bytes"] == 1 << 30
     off = parse(Metrics("tiny").render(EngineCore(model, config(0))))
     assert off["tandem_prefix_cache_bytes"] == 0 and off["tandem_prefix_cache_budget_bytes"] == 0
+
+
+def test_multi_turn_chat_through_the_server_reuses_the_conversation(tiny_model):
+    """Turn 2's prompt starts with turn 1's: its whole chunks come from the cache, and the
+    reply equals the same conversation on a server without a prefix cache."""
+    from test_server import LiveServer
+
+    model = tiny_model("llama")
+    first = [{"role": "user", "content": " ".join(f"fact {i} is {i * 7 % 13}" for i in range(12))}]
+
+    def conversation(cache: int) -> tuple[list[str], dict[str, float]]:
+        server = LiveServer(model, config={"prefill_chunk": CHUNK, "prefix_cache_bytes": cache})
+        try:
+            kw = {"model": "x", "max_tokens": 6, "temperature": 0}
+            one = server.client.chat.completions.create(messages=first, **kw)
+            reply = one.choices[0].message.content
+            second = [*first, {"role": "assistant", "content": reply},
+                      {"role": "user", "content": "and fact 3?"}]  # fmt: skip
+            two = server.client.chat.completions.create(messages=second, **kw)
+            assert server.wait_idle()
+            return [reply, two.choices[0].message.content], server.metrics()
+        finally:
+            server.stop()
+
+    warm, metrics = conversation(1 << 28)
+    cold, off = conversation(0)
+    assert warm == cold
+    assert metrics["tandem_prefix_cache_hits_total"] == 1
+    assert metrics["tandem_prefix_cache_hit_tokens_total"] >= 2 * CHUNK
+    assert metrics["tandem_prefix_cache_bytes"] > 0 and off["tandem_prefix_cache_bytes"] == 0
+
+
+def test_serve_flag(capsys):
+    from mlx_tandem.cli.main import main
+
+    assert main(["serve", "--model", "nowhere", "--prefix-cache-bytes", "lots"]) == 2
+    assert "--prefix-cache-bytes" in capsys.readouterr().err

@@ -7,6 +7,8 @@ mlx_lm.server's flags: --model --host --port --draft-model --num-draft-tokens --
 --allowed-origins, --decode-concurrency, --prefill-step-size as aliases of ours). The
 sampling defaults are derived from SamplingParams' knobs (the server ones: also the
 penalties and --min-tokens-to-keep). Ours: --max-rows --memory-budget --max-queue
+--prefix-cache-bytes (earlier prompts' whole prefill chunks kept for reuse, bit-identical;
+default: a quarter of the memory the weights and the KV budget leave, 0 turns it off)
 --api-key --cors-origin --dtype --draft-depth --max-body-size --drain-timeout, and the
 hostile-client limits --max-connections --header-timeout --body-timeout --prompt-timeout
 --allow-request-chat-template (off: a request may not carry its own template). Speculation is on by default (prompt lookup,
@@ -70,6 +72,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-concurrency", dest="max_rows", type=int, help=argparse.SUPPRESS)
     p.add_argument("--prefill-step-size", dest="prefill_chunk", type=int, help=argparse.SUPPRESS)
     p.add_argument("--max-queue", type=int, default=None, help="waiting requests before 429 (256)")
+    p.add_argument(
+        "--prefix-cache-bytes",
+        default=None,
+        help="bytes of earlier prompts' chunks kept for reuse, e.g. 2G; 0 turns the prefix "
+        "cache off (default: $TANDEM_PREFIX_CACHE_BYTES, else auto: a quarter of the memory "
+        "the weights and the KV budget leave)",
+    )
     p.add_argument(
         "--api-key",
         default=os.environ.get("TANDEM_API_KEY"),
@@ -135,6 +144,7 @@ def chat_template_args(text: str) -> dict[str, Any]:
 
 def check_args(args: argparse.Namespace) -> Any:
     """Refuse bad flag values before anything loads; returns the sampling defaults."""
+    from mlx_tandem.engine.config import parse_cache_bytes
     from mlx_tandem.engine.sampling import SamplingParams
 
     if not 0 <= args.port <= 65535:
@@ -142,6 +152,11 @@ def check_args(args: argparse.Namespace) -> Any:
     for flag in ("drain_timeout", "header_timeout", "body_timeout", "prompt_timeout"):
         if not getattr(args, flag) >= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
+    if args.prefix_cache_bytes is not None:
+        try:
+            parse_cache_bytes(args.prefix_cache_bytes)
+        except ValueError as err:
+            raise ValueError(f"--prefix-cache-bytes: {err}") from None
     if args.max_connections < 1:
         raise ValueError(f"--max-connections must be >= 1, got {args.max_connections}")
     if args.api_key is not None and not args.api_key.strip():
@@ -159,7 +174,7 @@ def set_chat_template(tokenizer: Any, template: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mlx_tandem.engine.config import parse_bytes
+    from mlx_tandem.engine.config import parse_bytes, parse_cache_bytes
 
     defaults = check_args(args)
     template_args = chat_template_args(args.chat_template_args)
@@ -168,6 +183,10 @@ def run(args: argparse.Namespace) -> int:
     config = runtime_config(args)
     if args.max_queue is not None:
         config = config.with_(max_queue=args.max_queue)
+    if args.prefix_cache_bytes is not None:
+        config = config.with_(prefix_cache_bytes=parse_cache_bytes(args.prefix_cache_bytes))
+    elif not os.environ.get("TANDEM_PREFIX_CACHE_BYTES"):
+        config = config.with_(prefix_cache_bytes=None)  # on by default here, sized at build
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
