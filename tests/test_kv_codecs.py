@@ -288,6 +288,8 @@ def test_the_runner_calibrates_per_layer(tiny_model):
     runner = ModelRunner(tiny_model("llama", head_dim=32), kv_codec="turbo-k4v4,center,eq")
     keys = [c.codec.key for c in runner.empty_rows().leaves()]
     assert all(isinstance(k, Centered) and isinstance(k.inner, Scaled) for k in keys)
+    values = [c.codec.value for c in runner.empty_rows().leaves()]
+    assert not any(isinstance(v, Centered) for v in values)  # only with ,vcenter
     assert all(k.center.shape == k.inner.scale.shape == (2, 1, 32) for k in keys)
     assert not mx.array_equal(keys[0].center, keys[1].center).item()
     assert abs(mx.mean(keys[0].inner.scale ** 2).item() - 1) < 1e-4

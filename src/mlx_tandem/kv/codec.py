@@ -22,9 +22,9 @@ engine refuses a codec that does not declare it.
 
 A codec name may carry per-layer options: `,fp-edges` keeps the first and last
 attention layers in float, `,fp-sliding` keeps sliding-window layers in float;
-`,center` stores each vector minus its layer's per-head mean and `,eq` divides keys by
-per-channel scales (queries multiplied by them), both fixed model constants measured
-once by the runner on `CALIBRATION` (kv/calibrated.py).
+`,center` (`,vcenter`) stores each key (value) minus its layer's per-head mean and
+`,eq` divides keys by per-channel scales (queries multiplied by them), all fixed model
+constants measured once by the runner on `CALIBRATION` (kv/calibrated.py).
 `parse_codec` validates a name before any engine state exists; `check_dims`
 validates it against a model's head dims (and a family's declared kinds).
 
@@ -51,7 +51,7 @@ AFFINE_GROUPS = (32, 64, 128)
 KINDS = ("fp", "affine", "turbo")
 NAMES_HELP = (
     "fp, affine8, affine4[:g32|g64|g128], turbo-kKvV (K,V in 2,3,4,8)"
-    "[,fp-edges][,fp-sliding][,center][,eq]"
+    "[,fp-edges][,fp-sliding][,center][,vcenter][,eq]"
 )
 
 
@@ -356,11 +356,12 @@ class CodecSpec:
     fp_edges: bool = False
     fp_sliding: bool = False
     center: bool = False
+    vcenter: bool = False
     eq: bool = False
 
     @property
     def calibrated(self) -> bool:
-        return self.center or self.eq
+        return self.center or self.vcenter or self.eq
 
     def for_layer(
         self, layer: int, window: int | None, edge: bool, stats: LayerStats | None = None
@@ -380,7 +381,9 @@ class CodecSpec:
         if stats is not None and self.eq:
             key = Scaled(key, stats.key_scale)
         if stats is not None and self.center:
-            key, value = Centered.of(key, stats.key_mean), Centered.of(value, stats.value_mean)
+            key = Centered.of(key, stats.key_mean)
+        if stats is not None and self.vcenter:
+            value = Centered.of(value, stats.value_mean)
         return KVCodec(self.name, key, value)
 
 
@@ -391,12 +394,13 @@ def parse_codec(text: str) -> CodecSpec:
     """A codec name -> CodecSpec; ValueError naming the accepted names otherwise."""
     head, *options = [t.strip() for t in str(text).strip().lower().split(",")]
     m = _BASE.match(head)
-    bad = [o for o in options if o not in ("fp-edges", "fp-sliding", "center", "eq")]
+    bad = [o for o in options if o not in ("fp-edges", "fp-sliding", "center", "vcenter", "eq")]
     if m is None or bad:
         raise ValueError(f"unknown kv codec {text!r}; known: {NAMES_HELP}")
     flags = {
         "fp_edges": "fp-edges" in options, "fp_sliding": "fp-sliding" in options,
         "center": "center" in options and not m.group(1),
+        "vcenter": "vcenter" in options and not m.group(1),
         "eq": "eq" in options and not m.group(1),
     }
     if m.group(1):
