@@ -218,3 +218,43 @@ def test_serve_flag(capsys):
 
     assert main(["serve", "--model", "nowhere", "--prefix-cache-bytes", "lots"]) == 2
     assert "--prefix-cache-bytes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("codec", ["affine4:g32", "turbo-k4v4"])
+def test_quantized_rows_warm_equal_cold(tiny_model, codec):
+    """Blocks keep what the layer's codec stores (its parts), so warm == cold under a codec."""
+    model = tiny_model("qwen3", head_dim=32)
+    ps = prompts(4)
+    cold = []
+    for i, p in enumerate(ps):
+        engine = EngineCore(model, config(0, kv_codec=codec))
+        h = engine.submit(p, params(i))
+        engine.run_until_idle()
+        cold.append(h.result())
+    engine = EngineCore(model, config(1 << 30, kv_codec=codec, max_rows=4))
+    warm = run_with_gaps(engine, ps, [params(i) for i in range(len(ps))], seed=5)
+    assert outputs(warm) == outputs(cold)
+    assert engine.scheduler.prefix_cache.stats.hit_tokens >= 8 * CHUNK
+
+
+@pytest.mark.slow
+def test_smollm2_warm_equals_cold(real_model):
+    """Real SmolLM2: rows sharing a 4-chunk prefix, batched with gaps, equal each alone cold."""
+    model = real_model("smollm2-135m")
+    from pydoc_data.topics import topics
+
+    doc = model.encode_text(topics["execmodel"])[: 4 * 64 + 20]
+    ps = [doc + model.encode_text(q) for q in (" Summary:", " In short, names", " Q: what?")]
+    ps.append(ps[0])
+    cfg = {"environ": {}, "prefill_chunk": 64}
+    cold = []
+    for i, p in enumerate(ps[:3]):
+        engine = EngineCore(model, RuntimeConfig.resolve(**cfg))
+        h = engine.submit(p, params(i))
+        engine.run_until_idle()
+        cold.append(h.result())
+    cold.append(cold[0])
+    engine = EngineCore(model, RuntimeConfig.resolve(**cfg, prefix_cache_bytes=1 << 30))
+    warm = run_with_gaps(engine, ps, [params(i % 3) for i in range(4)], seed=1)
+    assert outputs(warm) == outputs(cold)
+    assert engine.scheduler.prefix_cache.stats.hit_tokens >= 3 * 4 * 64 - 64
