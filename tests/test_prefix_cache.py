@@ -258,3 +258,49 @@ def test_smollm2_warm_equals_cold(real_model):
     warm = run_with_gaps(engine, ps, [params(i % 3) for i in range(4)], seed=1)
     assert outputs(warm) == outputs(cold)
     assert engine.scheduler.prefix_cache.stats.hit_tokens >= 3 * 4 * 64 - 64
+
+
+class SeedRecorder:
+    """A drafter that proposes nothing and records the seed hidden each joining row gets."""
+
+    name, samples, stateless = "recorder", False, True
+
+    def __init__(self) -> None:
+        self.seeds: dict[tuple[int, ...], mx.array] = {}
+
+    def prepare_append(self, requests, hidden):
+        from mlx_tandem.kv.state_rows import PreparedChange
+
+        for i, r in enumerate(requests):
+            self.seeds[tuple(r.prompt)] = hidden[i]
+        mx.eval(hidden)
+        return PreparedChange(lambda: None, lambda: None)
+
+    def filter_rows(self, keep):
+        pass
+
+    def draft(self, requests, depths, target):
+        from mlx_tandem.engine.draft_source import Drafts
+
+        return Drafts([[] for _ in requests], [None] * len(requests))
+
+    def commit(self, accepted, hidden):
+        pass
+
+
+def test_drafters_get_the_cold_seed_hidden(tiny_model):
+    """The hidden handed to the drafter at join (the assistant's and MTP's seed) is the cold
+    one bit for bit, also when every prefilled token came from the cache (a full hit)."""
+    model = tiny_model("lfm2")
+    ps = prompts(6)
+    seeds = []
+    for cache in (0, 1 << 30):
+        recorder = SeedRecorder()
+        engine = EngineCore(model, config(cache), drafter=recorder)
+        for i, p in enumerate(ps):
+            engine.submit(p, params(i))
+            engine.run_until_idle()
+        seeds.append(recorder.seeds)
+    assert seeds[0].keys() == seeds[1].keys()
+    for key, cold in seeds[0].items():
+        assert mx.array_equal(cold, seeds[1][key]).item(), len(key)
