@@ -37,6 +37,7 @@ import mlx.core as mx
 from mlx_tandem.engine.config import RuntimeConfig
 from mlx_tandem.engine.request import Request
 from mlx_tandem.kv.prefix_cache import Block, PrefixCache
+from mlx_tandem.kv.state_rows import copied
 
 MIN_CHUNK, MAX_CHUNK, ALIGN = 64, 2048, 64
 CHUNK_FLOPS = {"cpu": 40e9, "gpu": 2e12}  # forward FLOPs one chunk may take, per device kind
@@ -105,7 +106,7 @@ def keep_in_cache(cache: PrefixCache | None, request: Request, last: mx.array) -
         return
 
     def block() -> Block:
-        hidden = mx.contiguous(last)
+        hidden = copied(last)
         mx.eval(hidden)
         return Block(rows.copy_span(end - cache.block), hidden)
 

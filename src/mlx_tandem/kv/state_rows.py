@@ -271,11 +271,11 @@ class StateRows:
         for c in self.leaves():
             if isinstance(c, RowKVCache):
                 assert c.kparts is not None and c.vparts is not None
-                k = tuple(mx.contiguous(p[:, :, start:end]) for p in c.kparts)
-                v = tuple(mx.contiguous(p[:, :, start:end]) for p in c.vparts)
+                k = tuple(copied(p[:, :, start:end]) for p in c.kparts)
+                v = tuple(copied(p[:, :, start:end]) for p in c.vparts)
                 leaves.append((k, v, c.dtype))
             else:
-                leaves.append([None if a is None else mx.contiguous(a) for a in c.cache])
+                leaves.append([None if a is None else copied(a) for a in c.cache])
         span = RowSpan(start, end, tuple(leaves))
         mx.eval(*[a for leaf in leaves for a in (
             [*leaf[0], *leaf[1]] if isinstance(leaf, tuple) else leaf) if a is not None])
@@ -305,6 +305,12 @@ class StateRows:
                 a for a in (c.state if isinstance(c, RowKVCache) else c.cache) if a is not None
             )
         return out
+
+
+def copied(a: mx.array) -> mx.array:
+    """A copy of `a` in a buffer of its own (a gather: exact bits). A slice is a view that
+    keeps its whole source buffer alive, and mx.contiguous leaves a contiguous view as is."""
+    return mx.take(a, mx.arange(a.shape[-1]), axis=-1)
 
 
 def _joined(pieces: list[tuple[mx.array, ...]], capacity: int) -> tuple[mx.array, ...]:
