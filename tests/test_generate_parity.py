@@ -1,4 +1,5 @@
-"""Plain generation vs mlx-lm's generate_step: tokens and per-step logprobs bit-identical."""
+"""Plain generation vs mlx-lm's generate_step: tokens and per-step logprobs bit-identical
+(the compiled one-token step where its family is covered, and the eager step)."""
 
 import mlx.core as mx
 import pytest
@@ -6,6 +7,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 
 from mlx_tandem import SamplingParams, generate, stream_generate
+from mlx_tandem.engine.compiled_step import compiled_step
 from mlx_tandem.engine.generate import decode_steps
 from mlx_tandem.engine.sampling import RowSampler
 
@@ -14,9 +16,10 @@ from conftest import TINY_ARCHS
 PROMPT = [258, 71, 68, 75, 75, 78, 220, 86, 78, 81, 75, 67, 30, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
 
 
-def _ours(m, prompt, params, n, step=2048):
+def _ours(m, prompt, params, n, step=2048, compiled=True):
     sampler = RowSampler(params, m.graph.vocab_size)
-    return list(decode_steps(m.graph, prompt, sampler, n, prefill_step_size=step))
+    steps = decode_steps(m.graph, prompt, sampler, n, prefill_step_size=step, compiled=compiled)
+    return list(steps)
 
 
 def _theirs(m, prompt, n, step=2048, processors=None):
@@ -39,6 +42,27 @@ def test_greedy_matches_generate_step(tiny_model, arch, prefill_step):
     assert [t for t, _ in ours] == [t for t, _ in theirs]
     for (_, a), (_, b) in zip(ours, theirs, strict=True):
         assert mx.array_equal(a.reshape(-1), b.reshape(-1)).item()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_compiled_step_is_used_and_equals_eager_and_mlx_lm(tiny_model, arch):
+    """300 steps: past the KV cache's 256-column growth and the tiny Gemma's 16-token window."""
+    m = tiny_model(arch)
+    assert compiled_step(m.graph, m.graph.make_cache()) is not None
+    params = SamplingParams(max_tokens=300)
+    fast = _ours(m, PROMPT, params, 300)
+    eager = _ours(m, PROMPT, params, 300, compiled=False)
+    theirs = _theirs(m, PROMPT, 300)
+    assert [t for t, _ in fast] == [t for t, _ in eager] == [t for t, _ in theirs]
+    for (_, a), (_, b), (_, c) in zip(fast, eager, theirs, strict=True):
+        assert mx.array_equal(a.reshape(-1), c.reshape(-1)).item()
+        assert mx.array_equal(b.reshape(-1), c.reshape(-1)).item()
+
+
+def test_compiled_step_declines_other_families_and_caches(tiny_model):
+    assert compiled_step(tiny_model("qwen3").graph, tiny_model("qwen3").graph.make_cache()) is None
+    llama = tiny_model("llama").graph
+    assert compiled_step(llama, llama.make_cache()[:1]) is None
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)

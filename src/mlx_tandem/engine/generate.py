@@ -4,11 +4,14 @@
 last prompt token in `prefill_step_size` chunks, then one-token steps with the
 next step queued (`async_eval`) before the current token is read — but runs
 through the graph binding and the keyed per-row sampler.
+For families `compiled_step` covers (llama, gemma3_text) a one-token step runs as
+compiled segments between the attentions (same primitives, same order; faster on this
+CPU, see docs/BENCHMARKS.md); `compiled=False` keeps the eager step.
 `stream_generate` / `generate` add text, stop strings, EOS, logprobs, timing.
 
 Oracle: tests/test_generate_parity.py (tokens and per-step logprobs
-bit-identical to mlx-lm `generate_step` on tiny llama/qwen3/gemma3 and on
-real SmolLM2), tests/test_goldens.py (llama.cpp greedy tokens).
+bit-identical to mlx-lm `generate_step` on tiny llama/qwen3/gemma3, compiled and
+eager, and on real SmolLM2), tests/test_goldens.py (llama.cpp greedy tokens).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlx_tandem.engine.compiled_step import compiled_step
 from mlx_tandem.engine.output import TokenLogprob, top_logprobs
 from mlx_tandem.engine.request import new_request
 from mlx_tandem.engine.sampling import RowSampler, SamplingParams
@@ -65,15 +69,20 @@ def decode_steps(
     max_tokens: int,
     prefill_step_size: int = 2048,
     cache: list[Any] | None = None,
+    compiled: bool = True,
 ) -> Iterator[tuple[int, mx.array]]:
     """Yield (token, logprobs (1, V)) for up to max_tokens steps; the caller stops early."""
     cache = graph.make_cache() if cache is None else cache
     history = mx.array(prompt, dtype=mx.uint32) if sampler.needs_history else None
     position = len(prompt)
+    fast = compiled_step(graph, cache) if compiled else None
 
     def step(ids: mx.array, position: int) -> tuple[mx.array, mx.array]:
-        hidden = graph.forward_hidden(ids[None], cache)
-        logits = graph.project_logits(hidden, "last")[:, -1, :]
+        if fast is not None:
+            logits = fast(ids[None], cache)
+        else:
+            hidden = graph.forward_hidden(ids[None], cache)
+            logits = graph.project_logits(hidden, "last")[:, -1, :]
         logprobs = sampler.logprobs(logits, history)
         return sampler.sample(logprobs, position), logprobs
 

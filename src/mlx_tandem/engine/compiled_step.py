@@ -1,0 +1,146 @@
+"""Compiled one-token decode step for the plain path, with mlx-lm's arithmetic.
+
+A decode step is split at each layer's cache write + attention (whose shapes grow
+every step, so they stay eager, run by mlx-lm's own cache and SDPA code); everything
+between two attentions (o-projection, residuals, norms, MLP, the next layer's
+norm, q/k/v projections and RoPE) has fixed shapes for a one-token step and runs as
+one `mx.compile`d segment. Same primitives, same order: compiling only fuses the
+element-wise ones, and the tests check the result is bit-identical to mlx-lm.
+
+Families with a known layer layout only (mlx-lm's llama and gemma3_text) and mlx-lm's
+own KV caches; anything else gets `None` and the caller keeps the eager step. The
+segments hold the model's weights as traced constants: build one per generation.
+
+Oracle: tests/test_generate_parity.py (compiled vs eager vs mlx-lm `generate_step`,
+tokens and logprobs bit-identical on tiny llama / gemma3), tests/test_real_models.py::
+test_plain_path_is_bit_identical_to_mlx_lm (real SmolLM2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import gemma3_text, llama
+from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from mlx_tandem.models.graph import MlxLmGraph
+
+Segment = Callable[..., Any]
+
+
+def _qkv(attn: nn.Module, x: mx.array, norms: bool) -> tuple[mx.array, mx.array, mx.array]:
+    B, L, _ = x.shape
+    q = attn.q_proj(x).reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3)
+    k = attn.k_proj(x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    v = attn.v_proj(x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    if norms:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    return q, k, v
+
+
+def _pre(layer: nn.Module, x: mx.array, offset: mx.array, norms: bool) -> tuple[mx.array, ...]:
+    attn = layer.self_attn
+    q, k, v = _qkv(attn, layer.input_layernorm(x), norms)
+    return x, attn.rope(q, offset=offset), attn.rope(k, offset=offset), v
+
+
+def _post_llama(layer: nn.Module, x: mx.array, o: mx.array) -> mx.array:
+    B, L, _ = x.shape
+    h = x + layer.self_attn.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def _post_gemma3(layer: nn.Module, x: mx.array, o: mx.array) -> mx.array:
+    B, L, _ = x.shape
+    r = layer.self_attn.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+    h = gemma3_text.clip_residual(x, layer.post_attention_layernorm(r))
+    r = layer.mlp(layer.pre_feedforward_layernorm(h))
+    return gemma3_text.clip_residual(h, layer.post_feedforward_layernorm(r))
+
+
+class CompiledStep:
+    """`step(ids (1, 1), caches) -> logits (1, V)`: one token through the model."""
+
+    def __init__(self, graph: MlxLmGraph, backbone: nn.Module, kind: str):
+        self.graph = graph
+        self.backbone = backbone
+        self.kind = kind
+        layers = backbone.layers
+        norms = kind == "gemma3"
+        post = _post_gemma3 if norms else _post_llama
+
+        def first(ids: mx.array, offset: mx.array) -> tuple[mx.array, ...]:
+            h = backbone.embed_tokens(ids)
+            if norms:  # Gemma3Model scales the embeddings (same expression)
+                h = h * mx.array(backbone.args.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
+            return _pre(layers[0], h, offset, norms)
+
+        def between(i: int) -> Segment:
+            def seg(x: mx.array, o: mx.array, offset: mx.array) -> tuple[mx.array, ...]:
+                return _pre(layers[i + 1], post(layers[i], x, o), offset, norms)
+
+            return seg
+
+        def last(x: mx.array, o: mx.array) -> mx.array:
+            hidden = backbone.norm(post(layers[-1], x, o))
+            return graph.project_logits(hidden, "last")[:, -1, :]
+
+        self.segments: list[Segment] = [mx.compile(first)]
+        self.segments += [mx.compile(between(i)) for i in range(len(layers) - 1)]
+        self.segments.append(mx.compile(last))
+
+    def _masks(self, h: mx.array, caches: list[Any]) -> list[Any]:
+        bb = self.backbone
+        if self.kind == "gemma3":
+            p = bb.sliding_window_pattern
+            full = create_attention_mask(h, caches[p - 1])
+            local = (
+                create_attention_mask(h, caches[0], window_size=bb.window_size) if p > 1 else None
+            )
+            return [full if i % p == p - 1 else local for i in range(len(caches))]
+        full = create_attention_mask(h, caches[bb.fa_idx])
+        local = (
+            create_attention_mask(h, caches[bb.swa_idx], window_size=bb.sliding_window)
+            if bb.swa_idx is not None
+            else None
+        )
+        return [local if layer.use_sliding else full for layer in bb.layers]
+
+    def __call__(self, ids: mx.array, caches: list[Any]) -> mx.array:
+        offset = mx.array(caches[0].offset, dtype=mx.int32)
+        x, q, k, v = self.segments[0](ids, offset)
+        masks = self._masks(x, caches)
+        for i, (layer, cache) in enumerate(zip(self.backbone.layers, caches, strict=True)):
+            keys, values = cache.update_and_fetch(k, v)
+            o = scaled_dot_product_attention(
+                q, keys, values, cache=cache, scale=layer.self_attn.scale, mask=masks[i]
+            )
+            if i + 1 < len(caches):
+                x, q, k, v = self.segments[i + 1](x, o, offset)
+            else:
+                return self.segments[-1](x, o)
+        raise AssertionError("a model without layers")
+
+
+def compiled_step(graph: MlxLmGraph, caches: list[Any]) -> CompiledStep | None:
+    """A compiled decode step for this model and caches, or None if not covered
+    (another family, or caches other than mlx-lm's plain and rotating KV caches)."""
+    backbone = graph.backbone
+    layers = getattr(backbone, "layers", None)
+    if not layers or len(caches) != len(layers):
+        return None
+    if not all(type(c) in (KVCache, RotatingKVCache) for c in caches):
+        return None
+    if isinstance(backbone, llama.LlamaModel) and all(
+        type(layer) is llama.TransformerBlock for layer in layers
+    ):
+        return CompiledStep(graph, backbone, "llama")
+    if isinstance(backbone, gemma3_text.Gemma3Model) and all(
+        type(layer) is gemma3_text.TransformerBlock for layer in layers
+    ):
+        return CompiledStep(graph, backbone, "gemma3")
+    return None
