@@ -1,8 +1,11 @@
 """Plain decode: mlx-tandem vs mlx-lm on the same loaded model, same process, same prompt.
 
 For each model/dtype: prefill tok/s and decode tok/s of `mlx_lm.generate.generate_step`
-and of tandem's `decode_steps` (the engine under `tandem generate`), greedy, N tokens,
-alternating runs, median of --repeats. Prints a Markdown table with tandem/mlx-lm ratios.
+and of tandem's `decode_steps` (the engine under `tandem generate`: the compiled one-token
+step where its family is covered, engine/compiled_step.py) and of `decode_steps(compiled=False)`
+(the eager step), greedy, N tokens, alternating runs in one process, median of --repeats.
+Prints a Markdown table with tandem/mlx-lm ratios, the load average, and whether the tokens
+and every step's logprobs were identical to mlx-lm's.
 
     .venv/bin/python bench/plain_decode.py --tokens 128 --repeats 3
 """
@@ -10,6 +13,7 @@ alternating runs, median of --repeats. Prints a Markdown table with tandem/mlx-l
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import time
@@ -33,36 +37,45 @@ PROMPT = (
 CASES = (("smollm2-135m", "native"), ("smollm2-135m", "float32"), ("gemma3-270m", "float32"))
 
 
-def timed(steps, n: int) -> tuple[float, float, list[int]]:
-    """(prefill seconds = time to first token, decode tok/s over the remaining tokens, tokens)."""
+def timed(steps, n: int) -> tuple[float, float, list[int], mx.array]:
+    """(prefill seconds = time to first token, decode tok/s over the remaining tokens, tokens,
+    the stacked logprobs)."""
     start = time.perf_counter()
     tokens: list[int] = []
+    logprobs: list[mx.array] = []
     first = start
-    for i, (token, _) in enumerate(steps):
+    for i, (token, lp) in enumerate(steps):
         tokens.append(int(token))
+        logprobs.append(lp.reshape(-1))
         if i == 0:
             first = time.perf_counter()
         if len(tokens) == n:
             break
     end = time.perf_counter()
-    return first - start, (n - 1) / (end - first), tokens
+    return first - start, (n - 1) / (end - first), tokens, mx.stack(logprobs)
 
 
 def bench(name: str, dtype: str, n: int, repeats: int) -> dict:
     model = load(name, dtype=dtype, progress=False)
     prompt = model.encode(PROMPT)
-    results: dict[str, list[tuple[float, float]]] = {"mlx-lm": [], "tandem": []}
+    results: dict[str, list[tuple[float, float]]] = {"mlx-lm": [], "tandem": [], "eager": []}
     same = True
     for _ in range(repeats + 1):  # first round warms up
-        p1, d1, t1 = timed(generate_step(mx.array(prompt), model.model, max_tokens=n), n)
-        sampler = RowSampler(SamplingParams(max_tokens=n), model.graph.vocab_size)
-        p2, d2, t2 = timed(decode_steps(model.graph, prompt, sampler, n), n)
-        same &= t1 == t2
-        results["mlx-lm"].append((len(prompt) / p1, d1))
-        results["tandem"].append((len(prompt) / p2, d2))
+        for key in results:  # alternating, same order every round
+            if key == "mlx-lm":
+                steps = generate_step(mx.array(prompt), model.model, max_tokens=n)
+            else:
+                sampler = RowSampler(SamplingParams(max_tokens=n), model.graph.vocab_size)
+                steps = decode_steps(model.graph, prompt, sampler, n, compiled=key == "tandem")
+            p, d, tokens, logprobs = timed(steps, n)
+            if key == "mlx-lm":
+                ref = (tokens, logprobs)
+            else:
+                same &= tokens == ref[0] and mx.array_equal(logprobs, ref[1]).item()
+            results[key].append((len(prompt) / p, d))
     med = {k: tuple(statistics.median(x[i] for x in v[1:]) for i in range(2))
            for k, v in results.items()}
-    return {"model": name, "dtype": dtype, "prompt": len(prompt), "same_tokens": same, **med}
+    return {"model": name, "dtype": dtype, "prompt": len(prompt), "identical": same, **med}
 
 
 def main() -> None:
@@ -73,15 +86,19 @@ def main() -> None:
     args = ap.parse_args()
     cases = [tuple(c.split(":")) for c in args.case] if args.case else CASES
     print(f"# plain decode, {args.tokens} greedy tokens, {platform.machine()}, "
-          f"{mx.default_device()}, BLAS {mlx_tandem.BLAS.name}, {time.strftime('%Y-%m-%d')}")
+          f"{mx.default_device()}, BLAS {mlx_tandem.BLAS.name}, {time.strftime('%Y-%m-%d %H:%M')}, "
+          f"load {os.getloadavg()[0]:.1f}")
     print("| model | dtype | prompt | mlx-lm prefill tok/s | tandem prefill tok/s | ratio "
-          "| mlx-lm decode tok/s | tandem decode tok/s | ratio | same tokens |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| mlx-lm decode tok/s | tandem decode tok/s | ratio | eager decode tok/s | ratio "
+          "| identical |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, dtype in cases:
         r = bench(name, dtype, args.tokens, args.repeats)
-        (lp, ld), (tp, td) = r["mlx-lm"], r["tandem"]
+        (lp, ld), (tp, td), (_, ed) = r["mlx-lm"], r["tandem"], r["eager"]
         print(f"| {name} | {dtype} | {r['prompt']} | {lp:.1f} | {tp:.1f} | {tp / lp:.2f}x "
-              f"| {ld:.1f} | {td:.1f} | {td / ld:.2f}x | {r['same_tokens']} |", flush=True)
+              f"| {ld:.1f} | {td:.1f} | {td / ld:.2f}x | {ed:.1f} | {ed / ld:.2f}x "
+              f"| {r['identical']} |", flush=True)
+    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":
