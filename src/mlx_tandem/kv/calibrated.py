@@ -60,18 +60,10 @@ def layer_stats(keys: mx.array, values: mx.array, queries: mx.array) -> LayerSta
 
 
 @dataclass(frozen=True, eq=False)
-class Centered:
-    """Stores x - center; decoding adds the center back (in the attention space)."""
+class Wrapped:
+    """A vector codec around another: everything the wrapper does not change is the inner's."""
 
     inner: Any  # a kv/codec.py VectorCodec
-    center: mx.array  # (Hkv, 1, D)
-    embedded: mx.array  # the center in the inner codec's attention space
-
-    @classmethod
-    def of(cls, inner: Any, center: mx.array) -> Centered:
-        embedded = inner.embed(center)
-        mx.eval(embedded)
-        return cls(inner, center, embedded)
 
     @property
     def kind(self) -> str:
@@ -82,10 +74,10 @@ class Centered:
         return self.inner.span_append_safe
 
     def encode(self, x: mx.array) -> tuple[mx.array, ...]:
-        return self.inner.encode(x - self.center)
+        return self.inner.encode(x)
 
     def decode(self, parts: tuple[mx.array, ...], dtype: mx.Dtype) -> mx.array:
-        return self.inner.decode(parts, dtype) + self.embedded.astype(dtype)
+        return self.inner.decode(parts, dtype)
 
     def rotate(self, x: mx.array) -> mx.array:
         return self.inner.rotate(x)
@@ -104,25 +96,33 @@ class Centered:
 
 
 @dataclass(frozen=True, eq=False)
-class Scaled:
+class Centered(Wrapped):
+    """Stores x - center; decoding adds the center back (in the attention space)."""
+
+    center: mx.array  # (Hkv, 1, D)
+    embedded: mx.array  # the center in the inner codec's attention space
+
+    @classmethod
+    def of(cls, inner: Any, center: mx.array) -> Centered:
+        embedded = inner.embed(center)
+        mx.eval(embedded)
+        return cls(inner, center, embedded)
+
+    def encode(self, x: mx.array) -> tuple[mx.array, ...]:
+        return self.inner.encode(x - self.center)
+
+    def decode(self, parts: tuple[mx.array, ...], dtype: mx.Dtype) -> mx.array:
+        return self.inner.decode(parts, dtype) + self.embedded.astype(dtype)
+
+
+@dataclass(frozen=True, eq=False)
+class Scaled(Wrapped):
     """Keys only: stores k / scale, attends with q * scale (per kv head and channel)."""
 
-    inner: Any
     scale: mx.array  # (Hkv, 1, D)
-
-    @property
-    def kind(self) -> str:
-        return self.inner.kind
-
-    @property
-    def span_append_safe(self) -> bool:
-        return self.inner.span_append_safe
 
     def encode(self, x: mx.array) -> tuple[mx.array, ...]:
         return self.inner.encode(x / self.scale)
-
-    def decode(self, parts: tuple[mx.array, ...], dtype: mx.Dtype) -> mx.array:
-        return self.inner.decode(parts, dtype)
 
     def rotate(self, x: mx.array) -> mx.array:
         rep = x.shape[1] // self.scale.shape[0]
@@ -133,9 +133,3 @@ class Scaled:
 
     def unrotate(self, x: mx.array) -> mx.array:
         return self.inner.unrotate(x) * self.scale
-
-    def bytes_per_vector(self, dim: int) -> float:
-        return self.inner.bytes_per_vector(dim)
-
-    def check(self, dim: int) -> str | None:
-        return self.inner.check(dim)
