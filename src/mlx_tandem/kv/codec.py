@@ -86,15 +86,8 @@ class VectorCodec(Protocol):
         ...
 
 
-class FpCodec:
-    kind = "fp"
-    span_append_safe = True
-
-    def encode(self, x: mx.array) -> tuple[mx.array, ...]:
-        return (x,)
-
-    def decode(self, parts: tuple[mx.array, ...], dtype: mx.Dtype) -> mx.array:
-        return parts[0]
+class Unrotated:
+    """Codecs that attend in the model's own space: rotate, embed and unrotate are identities."""
 
     def rotate(self, x: mx.array) -> mx.array:
         return x
@@ -105,6 +98,17 @@ class FpCodec:
     def unrotate(self, x: mx.array) -> mx.array:
         return x
 
+
+class FpCodec(Unrotated):
+    kind = "fp"
+    span_append_safe = True
+
+    def encode(self, x: mx.array) -> tuple[mx.array, ...]:
+        return (x,)
+
+    def decode(self, parts: tuple[mx.array, ...], dtype: mx.Dtype) -> mx.array:
+        return parts[0]
+
     def bytes_per_vector(self, dim: int, itemsize: int = 4) -> float:
         return dim * itemsize
 
@@ -113,7 +117,7 @@ class FpCodec:
 
 
 @dataclass(frozen=True)
-class AffineCodec:
+class AffineCodec(Unrotated):
     bits: int
     group: int = 64
     kind = "affine"
@@ -132,15 +136,6 @@ class AffineCodec:
         q = q.reshape(*w.shape[:-1], s.shape[-1], self.group)
         out = q * s.astype(mx.float32)[..., None] + b.astype(mx.float32)[..., None]
         return out.reshape(*w.shape[:-1], -1).astype(dtype)
-
-    def rotate(self, x: mx.array) -> mx.array:
-        return x
-
-    def embed(self, x: mx.array) -> mx.array:
-        return x
-
-    def unrotate(self, x: mx.array) -> mx.array:
-        return x
 
     def bytes_per_vector(self, dim: int) -> float:
         return dim * self.bits / 8 + dim // self.group * 4
