@@ -60,19 +60,22 @@ def bench(name: str, dtype: str, n: int, repeats: int) -> dict:
     prompt = model.encode(PROMPT)
     results: dict[str, list[tuple[float, float]]] = {"mlx-lm": [], "tandem": [], "eager": []}
     same = True
-    for _ in range(repeats + 1):  # first round warms up
-        for key in results:  # alternating, same order every round
+    keys = list(results)
+    for r in range(repeats + 1):  # first round warms up
+        outputs: dict[str, tuple[list[int], mx.array]] = {}
+        for key in keys[r % 3 :] + keys[: r % 3]:  # alternating, order rotated each round
             if key == "mlx-lm":
                 steps = generate_step(mx.array(prompt), model.model, max_tokens=n)
             else:
                 sampler = RowSampler(SamplingParams(max_tokens=n), model.graph.vocab_size)
                 steps = decode_steps(model.graph, prompt, sampler, n, compiled=key == "tandem")
             p, d, tokens, logprobs = timed(steps, n)
-            if key == "mlx-lm":
-                ref = (tokens, logprobs)
-            else:
-                same &= tokens == ref[0] and mx.array_equal(logprobs, ref[1]).item()
+            outputs[key] = (tokens, logprobs)
             results[key].append((len(prompt) / p, d))
+        ref_tokens, ref_logprobs = outputs["mlx-lm"]
+        for key in ("tandem", "eager"):
+            tokens, logprobs = outputs[key]
+            same &= tokens == ref_tokens and mx.array_equal(logprobs, ref_logprobs).item()
     med = {k: tuple(statistics.median(x[i] for x in v[1:]) for i in range(2))
            for k, v in results.items()}
     return {"model": name, "dtype": dtype, "prompt": len(prompt), "identical": same, **med}
