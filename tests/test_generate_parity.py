@@ -148,3 +148,16 @@ def test_context_window_and_empty_prompt_errors(tiny_model):
         generate(m, PROMPT, max_tokens=3, logit_bias={10**6: 1.0})
     with pytest.raises(ValueError, match="prompt token 999999 is outside the vocabulary"):
         generate(m, [*PROMPT, 999999], max_tokens=3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_compiled_step_on_real_float32_models(real_model, name):
+    m = real_model(name, "float32")
+    prompt = m.encode("Write a short story about a lighthouse keeper.")
+    assert compiled_step(m.graph, m.graph.make_cache()) is not None
+    ours = _ours(m, prompt, SamplingParams(max_tokens=24), 24)
+    theirs = _theirs(m, prompt, 24)
+    assert [t for t, _ in ours] == [t for t, _ in theirs]
+    for (_, a), (_, b) in zip(ours, theirs, strict=True):
+        assert mx.array_equal(a.reshape(-1), b.reshape(-1)).item()
