@@ -5,7 +5,10 @@ and of tandem's `decode_steps` (the engine under `tandem generate`: the compiled
 step where its family is covered, engine/compiled_step.py) and of `decode_steps(compiled=False)`
 (the eager step), greedy, N tokens, alternating runs in one process, median of --repeats.
 Prints a Markdown table with tandem/mlx-lm ratios, the load average, and whether the tokens
-and every step's logprobs were identical to mlx-lm's.
+and every step's logprobs were identical to mlx-lm's. `floor ms` is the step's matmuls alone
+(every 2-D weight times a one-token vector, chained as in a step, nothing else): no step that
+keeps these BLAS calls can beat it, so mlx-lm's step / floor bounds the ratio any exact
+plain path can reach on this machine.
 
     .venv/bin/python bench/plain_decode.py --tokens 128 --repeats 3
 """
@@ -22,6 +25,7 @@ import mlx_tandem  # preloads OpenBLAS before mlx initialises
 
 # isort: split
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 
 from mlx_tandem import SamplingParams
@@ -55,6 +59,27 @@ def timed(steps, n: int) -> tuple[float, float, list[int], mx.array]:
     return first - start, (n - 1) / (end - first), tokens, mx.stack(logprobs)
 
 
+def matmul_floor_ms(model, repeats: int = 9) -> float:
+    """Median ms of one chain of one-token products with every 2-D weight of the model."""
+    weights = [w for _, w in tree_flatten(model.parameters()) if w.ndim == 2]
+    if any(w.dtype not in (mx.float32, mx.float16, mx.bfloat16) for w in weights):
+        return float("nan")  # quantized: products are not plain matmuls
+    xs = {w.shape[1]: mx.random.normal((1, 1, w.shape[1])).astype(w.dtype) for w in weights}
+    mx.eval(list(xs.values()))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        carry = mx.zeros((1, 1, 1), dtype=weights[0].dtype)
+        outs = []
+        for w in weights:  # each product waits for the previous one, as in a step
+            out = (xs[w.shape[1]] + carry) @ w.T
+            carry = out[..., :1] * 0
+            outs.append(out)
+        mx.eval(outs)
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
 def bench(name: str, dtype: str, n: int, repeats: int) -> dict:
     model = load(name, dtype=dtype, progress=False)
     prompt = model.encode(PROMPT)
@@ -78,7 +103,9 @@ def bench(name: str, dtype: str, n: int, repeats: int) -> dict:
             same &= tokens == ref_tokens and mx.array_equal(logprobs, ref_logprobs).item()
     med = {k: tuple(statistics.median(x[i] for x in v[1:]) for i in range(2))
            for k, v in results.items()}
-    return {"model": name, "dtype": dtype, "prompt": len(prompt), "identical": same, **med}
+    floor = matmul_floor_ms(model.model)
+    return {"model": name, "dtype": dtype, "prompt": len(prompt), "identical": same,
+            "floor": floor, **med}
 
 
 def main() -> None:
@@ -93,14 +120,15 @@ def main() -> None:
           f"load {os.getloadavg()[0]:.1f}")
     print("| model | dtype | prompt | mlx-lm prefill tok/s | tandem prefill tok/s | ratio "
           "| mlx-lm decode tok/s | tandem decode tok/s | ratio | eager decode tok/s | ratio "
-          "| identical |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| identical | floor ms | best exact ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, dtype in cases:
         r = bench(name, dtype, args.tokens, args.repeats)
         (lp, ld), (tp, td), (_, ed) = r["mlx-lm"], r["tandem"], r["eager"]
         print(f"| {name} | {dtype} | {r['prompt']} | {lp:.1f} | {tp:.1f} | {tp / lp:.2f}x "
               f"| {ld:.1f} | {td:.1f} | {td / ld:.2f}x | {ed:.1f} | {ed / ld:.2f}x "
-              f"| {r['identical']} |", flush=True)
+              f"| {r['identical']} | {r['floor']:.1f} | {1000 / ld / r['floor']:.2f}x |",
+              flush=True)
     print(f"load average at the end: {os.getloadavg()[0]:.1f}")
 
 
