@@ -78,7 +78,8 @@ def decode_steps(
     fast = compiled_step(graph, cache) if compiled else None
 
     def step(ids: mx.array, position: int) -> tuple[mx.array, mx.array]:
-        if fast is not None:
+        # the first step stays eager: the segments are traced while it runs
+        if fast is not None and position > len(prompt):
             logits = fast(ids[None], cache)
         else:
             hidden = graph.forward_hidden(ids[None], cache)
