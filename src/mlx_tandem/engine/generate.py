@@ -78,7 +78,7 @@ def decode_steps(
     fast = compiled_step(graph, cache) if compiled else None
 
     def step(ids: mx.array, position: int) -> tuple[mx.array, mx.array]:
-        # the first step stays eager: the segments are traced while it runs
+        # the first step stays eager: tracing the segments does not delay the first token
         if fast is not None and position > len(prompt):
             logits = fast(ids[None], cache)
         else:
@@ -97,12 +97,16 @@ def decode_steps(
     y, logprobs = step(mx.array(prompt[done:]), position)
     mx.async_eval(y, logprobs)
     for n in range(max_tokens):
+        first_out = n == 0 and fast is not None  # trace the segments after the first token
+        if first_out:
+            yield y.item(), logprobs
         if n + 1 < max_tokens:
             if history is not None:
                 history = mx.concatenate([history, y.astype(mx.uint32)])
             next_y, next_logprobs = step(y, position + 1)
             mx.async_eval(next_y, next_logprobs)
-        yield y.item(), logprobs
+        if not first_out:
+            yield y.item(), logprobs
         if n % 256 == 255:
             mx.clear_cache()
         if n + 1 < max_tokens:
