@@ -2,7 +2,8 @@
 
 `decode_steps` mirrors mlx-lm's `generate_step` exactly — prefill all but the
 last prompt token in `prefill_step_size` chunks, then one-token steps with the
-next step queued (`async_eval`) before the current token is read — but runs
+next step queued (`async_eval`) before the current token is read (on the compiled
+path the first token is read first, then the segments are traced) — but runs
 through the graph binding and the keyed per-row sampler.
 For families `compiled_step` covers (llama, gemma3_text) a one-token step runs as
 compiled segments between the attentions (same primitives, same order; faster on this
