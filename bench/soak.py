@@ -55,7 +55,8 @@ INVALID = [
     '{"messages": [{"role": "user", "content": "x"}], "max_tokens": "4"}',
     '{"messages": [{"role": "user", "content": "x"}], "temperature": 1e-45}',
     '{"messages": [{"role": "wizard", "content": "x"}]}',
-    '{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}',
+    '{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", '
+    '"json_schema": {"name": "x", "schema": {"type": "nope"}}}}',
     '{"prompt": "no messages here"}',
 ]
 

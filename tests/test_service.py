@@ -59,11 +59,11 @@ def test_a_failing_step_fails_requests_in_flight_and_the_next_request_succeeds(e
     original = live.core.runner.forward
     armed = threading.Event()
 
-    def failing(rows, ids, lengths=None):
+    def failing(rows, ids, lengths=None, **kw):
         if armed.is_set() and rows.row_count > 0 and ids.shape[0] == rows.row_count:
             armed.clear()
             raise RuntimeError("injected device failure")
-        return original(rows, ids, lengths)
+        return original(rows, ids, lengths, **kw)
 
     live.core.runner.forward = failing
     first = [live.submit([3, 4, 5, i], SamplingParams(max_tokens=50)) for i in range(3)]
