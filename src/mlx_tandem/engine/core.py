@@ -218,8 +218,8 @@ class EngineCore:
         Grammar-forced proposals count as the grammar's, not the drafter's."""
         drafted = [len(d) for d in drafts.tokens]
         accepted = [v.accepted for v in verdicts]
-        own = [(0, 0) if f else (d, a) for d, a, f in zip(drafted, accepted, forced, strict=True)]
-        own_drafted, own_accepted = [d for d, _ in own], [a for _, a in own]
+        own_drafted, forced_drafted = _split(drafted, forced)
+        own_accepted, forced_accepted = _split(accepted, forced)
         if self.drafter:
             slots = mx.array(accepted, dtype=mx.int32)[:, None, None]  # each row's last slot
             self.drafter.commit(accepted, mx.take_along_axis(hidden, slots, axis=1)[:, 0])
@@ -227,10 +227,7 @@ class EngineCore:
             self.depth.observe(self.running, own_drafted, own_accepted, draft_s, verify_s, width)
             self.stats.record(self.drafter.name, own_drafted, own_accepted, draft_s, verify_s)
         if any(forced):
-            by_grammar = [(d - o, a - oa) for d, a, o, oa in
-                          zip(drafted, accepted, own_drafted, own_accepted, strict=True)]  # fmt: skip
-            self.stats.record(GRAMMAR, [d for d, _ in by_grammar], [a for _, a in by_grammar],
-                              step=False)  # fmt: skip
+            self.stats.record(GRAMMAR, forced_drafted, forced_accepted, step=False)
         keep = []
         for i, (request, verdict) in enumerate(zip(self.running, verdicts, strict=True)):
             request.stats.steps += 1
@@ -362,6 +359,12 @@ class EngineCore:
         request.joining = None
         self.scheduler.release(request)
         request.finish(reason, error)
+
+
+def _split(counts: list[int], forced: list[bool]) -> tuple[list[int], list[int]]:
+    """Per-row counts as (the drafter's, the grammar's): a row's proposals are one or the other."""
+    return ([0 if f else c for c, f in zip(counts, forced, strict=True)],
+            [c if f else 0 for c, f in zip(counts, forced, strict=True)])  # fmt: skip
 
 
 class EngineStats:
