@@ -234,10 +234,9 @@ def run_batch(args, model, prompts: list[list[int]], params, config) -> int:
             f"Rows engine: {len(prompts)} prompts, {total} tokens in {elapsed:.2f} s "
             f"({total / elapsed:.1f} tokens-per-sec)"
         )
-        if drafter:
-            name = drafter.name
+        for name in engine.stats.drafted:  # the drafter's, and grammar-forced proposals
             print(
                 f"Speculative ({name}): acceptance {engine.stats.acceptance(name):.2f} over "
-                f"{engine.stats.drafted.get(name, 0)} drafted tokens"
+                f"{engine.stats.drafted[name]} drafted tokens"
             )
     return 0
