@@ -7,8 +7,9 @@ rows engine's runner in chunks of `--chunk` tokens, once with float K/V and once
 every later token attends to the codec's stored K/V (its own chunk included). Per position:
 KL(p_float || p_codec) of the next-token distributions, and the codec's negative log-likelihood
 of the real next token (perplexity). Bytes per token come from the scheduler's own measurement
-(`measure_memory`: the arrays a row cache really allocates); "rows @ budget" = how many rows of
-`--context` tokens fit `--budget` bytes of KV. Decode tok/s: the engine (EngineCore, greedy,
+(`measure_memory`: the arrays a row cache really allocates, sliding layers in the engine's ring
+of window + widest append), averaged over a row of `--context` tokens; "rows @ budget" = how
+many rows of `--context` tokens fit `--budget` bytes of KV. Decode tok/s: the engine (EngineCore, greedy,
 EOS ignored) generating `--decode-tokens` per row for B chat prompts, median of `--repeats`
 alternating rounds; "long" runs one row whose prompt is the passage (`--tokens` tokens), so the
 dequantize-then-attend cost over a long cache shows.
@@ -33,8 +34,10 @@ from common import PROMPTS, machine_line
 from mlx_tandem import SamplingParams
 from mlx_tandem.engine.config import RuntimeConfig, parse_bytes
 from mlx_tandem.engine.core import EngineCore
+from mlx_tandem.engine.prefill import PrefillPolicy
 from mlx_tandem.engine.runner import ModelRunner
-from mlx_tandem.engine.scheduler import measure_memory
+from mlx_tandem.engine.sampling import MAX_DRAFT
+from mlx_tandem.engine.scheduler import default_budget, measure_memory
 from mlx_tandem.models.loader import load
 
 CODECS = ("fp|affine8|affine4|affine4:g32|turbo-k8v4|turbo-k4v4|turbo-k3v4|turbo-k4v4,fp-edges"
@@ -119,18 +122,30 @@ def main() -> None:
         ids = model.encode(passage())[: args.tokens]
         runner = ModelRunner(model)
         ref = log_probs(runner, ids, args.chunk)
-        base_bytes = measure_memory(runner).per_token
-        print(f"\n## {name} (float32 weights; float K/V = {base_bytes} B/token)\n")
+        policy = PrefillPolicy.resolve(model.config, RuntimeConfig.resolve(),
+                                       default_budget(model), "cpu")  # fmt: skip
+        reach = max(policy.chunk, MAX_DRAFT + 1)  # the engine's: sliding layers keep a ring
+
+        def per_token(codec: str, model=model, reach=reach) -> int:
+            """KV bytes per token of a row of --context tokens (rings included)."""
+            runner = ModelRunner(model, kv_codec=codec)
+            runner.reach = reach
+            memory = measure_memory(runner)
+            return (memory.row_bytes(args.context) - memory.per_row) // args.context
+
+        base_bytes = per_token("fp")
+        print(f"\n## {name} (float32 weights; float K/V = {base_bytes} B/token at "
+              f"{args.context} tokens, sliding rings of window + {reach})\n")
         print("| codec | KV B/token | bits/elem | KL vs float | ppl | rows @ budget |")
         print("|---|---|---|---|---|---|")
         for codec in codecs:
             runner = ModelRunner(model, kv_codec=codec)
-            per_token = measure_memory(runner).per_token
             got = ref if codec == "fp" else log_probs(runner, ids, args.chunk)
             kl, ppl = quality(ref, got, ids, args.chunk)
-            rows = budget // (per_token * args.context)
-            bits = 32 * per_token / base_bytes
-            print(f"| {codec} | {per_token} | {bits:.2f} | {kl:.4f} | {ppl:.3f} | {rows} |",
+            size = per_token(codec)
+            rows = budget // (size * args.context)
+            bits = 32 * size / base_bytes
+            print(f"| {codec} | {size} | {bits:.2f} | {kl:.4f} | {ppl:.3f} | {rows} |",
                   flush=True)
         if not timed:
             continue

@@ -125,8 +125,9 @@ def test_engine_drafts_equal_the_lab_computation(pair, monkeypatch):
 
     bind = assistant_model.bind_target
 
-    def wrong_layer(assistant, model):
-        return [assistant_model.DonorLayer(0, d.rope, d.scale, d.window)
+    def wrong_layer(assistant, model):  # layer 0, read as that layer is (its own window)
+        window = assistant_model.target_layer_windows(model)[0]
+        return [assistant_model.DonorLayer(0, d.rope, d.scale, window)
                 for d in bind(assistant, model)]
 
     monkeypatch.setattr(assistant_source, "bind_target", wrong_layer)

@@ -3,9 +3,12 @@ and after rewinding and re-appending."""
 
 from __future__ import annotations
 
-import mlx.core as mx
+import random
 
-from mlx_tandem.kv.row_cache import PAGE, RowKVCache
+import mlx.core as mx
+import pytest
+
+from mlx_tandem.kv.row_cache import PAGE, RowKVCache, ring_size
 
 H, HKV, D = 4, 2, 16
 
@@ -65,3 +68,120 @@ def test_sliding_window_masks_old_columns():
     cache.ends = [10]
     valid = cache.make_mask(1)[0, 0, 0]
     assert valid[:11].tolist() == [False] * 7 + [True] * 4 and not valid[11:].any().item()
+
+
+# --- sliding layers in a ring (window + widest append) -------------------------------
+WINDOW, REACH = 100, 70
+
+
+def ring_cache() -> RowKVCache:
+    cache = RowKVCache(WINDOW, ring=ring_size(WINDOW, REACH))
+    cache.ends = [0]
+    return cache
+
+
+def linear_cache() -> RowKVCache:
+    cache = RowKVCache(WINDOW)
+    cache.ends = [0]
+    return cache
+
+
+def schedule(seed: int) -> list[tuple[int, int]]:
+    """(append, keep) pairs: prefill chunks, then verify blocks of which `keep` stay."""
+    rng = random.Random(seed)
+    out = [(64, 64)] * 3
+    while sum(k for _, k in out) < 700:
+        n = rng.randint(1, 8)
+        out.append((n, rng.randint(1, n)))
+    return out
+
+
+def run(cache: RowKVCache, plan: list[tuple[int, int]], seed: int) -> list[mx.array]:
+    outs = []
+    for j, (n, keep) in enumerate(plan):
+        keys, values = kv(1, n, seed=seed * 1000 + j)
+        q = mx.random.normal((1, H, n, D), key=mx.random.key(seed * 1000 + j))
+        outs.append(step(cache, keys, values, q)[:, :, :keep])
+        cache.set_ends([cache.ends[0] - n + keep])
+    return outs
+
+
+def test_a_ring_keeps_window_plus_reach_and_attends_like_every_column():
+    """A sliding layer's ring holds at most ring_size columns, through wraps and rewinds of
+    rejected verify tails, and its attention is that of the layout keeping every column
+    (up to summation order)."""
+    plan = schedule(0)
+    ring, linear = ring_cache(), linear_cache()
+    a, b = run(ring, plan, 0), run(linear, plan, 0)
+    assert ring.ends == linear.ends and ring.ends[0] >= 700
+    assert ring.capacity == ring_size(WINDOW, REACH) == 256 < linear.capacity
+    for x, y in zip(a, b, strict=True):
+        assert mx.allclose(x, y, rtol=1e-5, atol=1e-5).item()
+
+
+def test_a_ring_without_its_slack_loses_the_window(monkeypatch):
+    """Negative control: appends wider than the ring's slack (the check switched off)
+    overwrite keys the block's first queries still see."""
+    plan = [(200, 200)] * 4
+    with pytest.raises(AssertionError, match="wider than the ring"):
+        run(ring_cache(), plan, 1)
+    monkeypatch.setattr(RowKVCache, "_fits", lambda self, L: True)
+    a, b = run(ring_cache(), plan, 1), run(linear_cache(), plan, 1)
+    assert not all(mx.allclose(x, y, rtol=1e-5, atol=1e-5).item() for x, y in zip(a, b, strict=True))
+
+
+def test_ring_rows_attend_the_same_alone_and_batched():
+    """Rows at different points of their rings (wrapped or not) in one batch: each row's
+    output is bit-identical to the row alone."""
+    lens = [5, 250, 700]
+    rows = []
+    for i, n in enumerate(lens):
+        c = ring_cache()
+        for start in range(0, n, 50):
+            c.update_and_fetch(*kv(1, min(50, n - start), seed=100 * i + start))
+        rows.append(c)
+    batched = RowKVCache.merge(rows)
+    keys, values = kv(3, 4, seed=7)
+    q = mx.random.normal((3, H, 4, D), key=mx.random.key(8))
+    out = step(batched, keys, values, q)
+    for i in range(3):
+        alone = step(rows[i], keys[i : i + 1], values[i : i + 1], q[i : i + 1])
+        assert mx.array_equal(alone, out[i : i + 1]).item(), lens[i]
+        taken = batched.take_rows([i])
+        taken.set_ends([lens[i]])
+        again = step(taken, keys[i : i + 1], values[i : i + 1], q[i : i + 1])
+        assert mx.array_equal(again, out[i : i + 1]).item(), lens[i]
+
+
+def test_ring_columns_and_place_rebuild_the_row():
+    """The prefix cache's path: a ring's columns of its last chunk are the positions'
+    vectors, and placing positions [0, n) into a blank ring gives the buffers a row that
+    appended them holds (so warm rows attend as cold rows)."""
+    ring, linear = ring_cache(), linear_cache()
+    for start in range(0, 640, 64):
+        keys, values = kv(1, 64, seed=start)
+        ring.update_and_fetch(keys, values)
+        linear.update_and_fetch(keys, values)
+    k, v = ring.columns(576, 640)
+    assert mx.array_equal(k[0], linear.kparts[0][:, :, 576:640]).item()
+    assert mx.array_equal(v[0], linear.vparts[0][:, :, 576:640]).item()
+    warm = ring_cache()
+    warm.place(tuple(p[:, :, :640] for p in linear.kparts),
+               tuple(p[:, :, :640] for p in linear.vparts), linear.dtype)  # fmt: skip
+    assert warm.ends == ring.ends and warm.capacity == ring.capacity
+    for x, y in zip((*warm.kparts, *warm.vparts), (*ring.kparts, *ring.vparts), strict=True):
+        assert mx.array_equal(x, y).item()
+
+
+def test_committed_reads_of_a_ring_are_the_window():
+    """The assistant's donor read: the valid columns of a ring hold exactly the positions
+    (end - window, end), and a read wider than the ring's window is refused."""
+    ring = ring_cache()
+    for start in range(0, 600, 60):
+        ring.update_and_fetch(*kv(1, 60, seed=start))
+    keys, _, valid = ring.committed(WINDOW)
+    held = ring._held(mx.array([[[599]]]), keys.shape[2])[0, 0]
+    seen = sorted(p for p, ok in zip(held.tolist(), valid[0, 0, 0].tolist(), strict=True) if ok)
+    assert seen == list(range(600 - WINDOW + 1, 600))
+    with pytest.raises(ValueError, match="keeps only its last 100 positions"):
+        ring.committed(None)

@@ -29,7 +29,7 @@ import mlx.core as mx
 from mlx_tandem.drafters.row_sampling import DraftRowSampling
 from mlx_tandem.engine.draft_source import Drafts
 from mlx_tandem.engine.request import Request
-from mlx_tandem.kv.attention import KEY_CHUNK, BlockMode, invariant_attention
+from mlx_tandem.kv.attention import BlockMode, invariant_attention
 from mlx_tandem.kv.row_cache import RowKVCache
 from mlx_tandem.kv.state_rows import PreparedChange, StateRows
 from mlx_tandem.models.assistant import Assistant, bind_target, embed_tokens
@@ -87,7 +87,7 @@ class AssistantSource:
         read: dict[tuple[int, int | None], tuple[mx.array, mx.array, mx.array]] = {}
         for d in self.donors:  # layers reading the same target layer share its K/V and mask
             if (d.index, d.window) not in read:
-                read[d.index, d.window] = self._donor_kv(target, d.index, d.window, ends)
+                read[d.index, d.window] = self._donor_kv(target, d.index, d.window)
         donors = [read[d.index, d.window] for d in self.donors]
         tokens = mx.array([r.pending for r in requests], dtype=mx.int32)
         h = self.seed[:, None, :]
@@ -125,17 +125,9 @@ class AssistantSource:
 
     @staticmethod
     def _donor_kv(
-        target: StateRows, layer: int, window: int | None, ends: list[int]
+        target: StateRows, layer: int, window: int | None
     ) -> tuple[mx.array, mx.array, mx.array]:
         cache = target.layers[layer]
         if not isinstance(cache, RowKVCache) or cache.kparts is None:
             raise ValueError(f"target layer {layer} holds no attention K/V for the assistant")
-        width = min(cache.capacity, -(-max(*ends, 1) // KEY_CHUNK) * KEY_CHUNK)
-        cols = mx.arange(width)[None, :]
-        end = mx.array(ends, dtype=mx.int32)[:, None]
-        valid = cols < end
-        if window is not None:
-            valid = valid & (cols > end - window)
-        valid = valid | ((end == 0) & (cols == 0))  # a row with no K/V yet reads one zero key
-        keys, values = cache.fetch(width)  # decoded through the layer's KV codec
-        return keys, values, valid[:, None, None, :]
+        return cache.committed(window)  # decoded through the layer's KV codec

@@ -22,6 +22,7 @@ from mlx_tandem.drafters.row_sampling import DraftRowSampling
 from mlx_tandem.engine.draft_source import Drafts
 from mlx_tandem.engine.request import Request
 from mlx_tandem.engine.runner import ModelRunner
+from mlx_tandem.engine.sampling import MAX_DRAFT
 from mlx_tandem.kv.state_rows import PreparedChange, StateRows
 from mlx_tandem.models.families import check_engine
 from mlx_tandem.models.loader import LoadedModel
@@ -44,6 +45,7 @@ class DraftModelSource:
         self.name = f"draft:{model.name}"
         check_engine(model.config, speculative=False)  # it runs in rows (models/families.py)
         self.runner = ModelRunner(model, batch_invariant=batch_invariant)
+        self.runner.reach = max(chunk, MAX_DRAFT + 1)  # its prefill chunk or a draft block
         self.rows: StateRows = self.runner.empty_rows()
         self.chunk = chunk
         self.sampling = DraftRowSampling()

@@ -39,7 +39,7 @@ from mlx_tandem.engine.postprocess import accept_tokens
 from mlx_tandem.engine.prefill import PrefillPolicy, keep_in_cache, start_from_cache
 from mlx_tandem.engine.request import Request, RequestHandle, new_request
 from mlx_tandem.engine.runner import ModelRunner
-from mlx_tandem.engine.sampling import SamplingParams
+from mlx_tandem.engine.sampling import MAX_DRAFT, SamplingParams
 from mlx_tandem.engine.scheduler import (
     Scheduler,
     default_budget,
@@ -80,6 +80,8 @@ class EngineCore:
         budget = self.config.memory_budget or default_budget(model)
         device = "cpu" if mx.default_device() == mx.cpu else "gpu"
         self.prefill_policy = PrefillPolicy.resolve(model.config, self.config, budget, device)
+        # the widest append (a prefill chunk or a verify block) sizes sliding layers' rings
+        self.runner.reach = max(self.prefill_policy.chunk, MAX_DRAFT + 1)
         memory = measure_memory(self.runner)
         self.scheduler = Scheduler(self.config.max_rows, budget, memory, self.config.max_queue)
         cache_bytes = self.config.prefix_cache_bytes

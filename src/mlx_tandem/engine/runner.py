@@ -44,6 +44,7 @@ class ModelRunner:
         self.model = model
         self.kv_spec = kv_codec if isinstance(kv_codec, CodecSpec) else parse_codec(kv_codec)
         self._codecs: dict[int, KVCodec] = {}
+        self.reach: int | None = None  # most tokens one append brings (sliding layers: a ring)
         self.block = BlockMode()  # on while one row's own prefill chunk runs
         embed = model.graph.embedding
         self.hidden_size = int(model.config.get("hidden_size") or embed.weight.shape[-1])
@@ -84,7 +85,7 @@ class ModelRunner:
         return self._codecs.get(layer, FP)
 
     def empty_rows(self) -> StateRows:
-        return StateRows.empty(self.model.model, self.codec_for)
+        return StateRows.empty(self.model.model, self.codec_for, reach=self.reach)
 
     def recurrent_layers(self) -> bool:
         """Whether any layer keeps recurrent state it cannot rewind per row: a traced
@@ -95,7 +96,7 @@ class ModelRunner:
 
     def blank_rows(self, n: int) -> StateRows:
         """n rows holding no tokens yet (joining rows before prefill)."""
-        return StateRows.blank(self.model.model, n, self.codec_for)
+        return StateRows.blank(self.model.model, n, self.codec_for, reach=self.reach)
 
     def no_hidden(self, n: int) -> mx.array:
         """(n, D) zeros: the hidden handed over for rows that fed no token yet."""

@@ -4,7 +4,8 @@ A request reserves `kv_bytes(prompt + max_tokens)` when admitted and returns
 it when it leaves. Requests that could never fit (alone over the budget or
 the context window) are refused at submit; the others wait in FIFO order —
 a large request at the head is not overtaken, so it cannot starve.
-`measure_memory` finds the bytes per token with one real forward;
+`measure_memory` finds the bytes per token with one real forward (a sliding
+layer's ring stops growing at its size);
 `default_budget` is half the device's memory minus the weights. The scheduler also
 holds the engine's prefix cache (kv/prefix_cache.py, None when off): what the KV
 budget leaves, `prefix_cache_budget` sizes it from.
@@ -31,13 +32,16 @@ from mlx_tandem.models.loader import LoadedModel
 
 @dataclass
 class MemoryModel:
-    """Bytes a row holds: per token of context, plus a fixed part (recurrent state)."""
+    """Bytes a row holds: per token of context, plus a fixed part (recurrent state), plus
+    sliding layers' rings: (columns kept, bytes per column) — they stop growing there."""
 
     per_token: int
     per_row: int = 0
+    rings: tuple[tuple[int, int], ...] = ()
 
     def row_bytes(self, tokens: int) -> int:
-        return self.per_token * tokens + self.per_row
+        capped = sum(min(tokens, ring) * per_column for ring, per_column in self.rings)
+        return self.per_token * tokens + self.per_row + capped
 
 
 @dataclass
@@ -106,12 +110,17 @@ def measure_memory(runner: ModelRunner) -> MemoryModel:
     row = runner.blank_rows(1)
     runner.graph.forward_hidden(mx.array([[0]], dtype=mx.int32), row.layers)
     per_token = per_row = 0
+    rings: list[tuple[int, int]] = []
     for leaf in row.leaves():
         if isinstance(leaf, RowKVCache):
-            per_token += sum(a.nbytes for a in leaf.state) // leaf.keys.shape[2]
+            per_column = sum(a.nbytes for a in leaf.state) // leaf.capacity
+            if leaf.ring is None:
+                per_token += per_column
+            else:
+                rings.append((leaf.ring, per_column))
         else:
             per_row += sum(a.nbytes for a in leaf.cache if a is not None)
-    return MemoryModel(per_token=per_token, per_row=per_row)
+    return MemoryModel(per_token=per_token, per_row=per_row, rings=tuple(rings))
 
 
 def _device_memory() -> int:

@@ -4,9 +4,18 @@ Row i's tokens occupy columns [0, ends[i]) of shared (B, Hkv, capacity, ·)
 buffers. Appending L tokens writes each row at its own end (one scatter);
 rewinding a row is moving its end back — no data moves, so per-row rewind
 after speculative verification costs nothing. Columns past a row's end hold
-stale data that the validity mask hides. A sliding-window layer (Gemma 3's
-local layers) keeps every column and masks by window, so its arithmetic is
-that of the full-attention path.
+stale data that the validity mask hides.
+
+A sliding-window layer (Gemma 3's local layers) built with a `ring` keeps only
+`ring` columns (the window plus the largest append, rounded to whole key
+chunks): position p lives in column p % ring. Appending L <= ring - window
+tokens never overwrites a position a query of the block or a later one can see
+(the oldest still visible is end - window + 1), and a rejected verify tail
+only overwrote positions already outside every later query's window, so rewind
+by ends stays free. The validity of a column comes from the position it holds
+(`_held`); the layout depends on the row's own positions only, so a row's
+arithmetic is the same alone, batched, speculated and warm from the prefix
+cache. Without a ring a sliding layer keeps every column and masks by window.
 
 What a column holds is the layer's KV codec's encoding (kv/codec.py: `fp`
 stores the vectors themselves; quantized codecs store their parts). Every
@@ -48,15 +57,6 @@ def _span(width: int) -> int:
     return -(-width // SPAN) * SPAN
 
 
-def _scatter(buf: mx.array, new: mx.array, ends: list[int]) -> mx.array:
-    L = new.shape[2]
-    if len(set(ends)) == 1:
-        buf[:, :, ends[0] : ends[0] + L] = new
-        return buf
-    cols = mx.array(ends, dtype=mx.int32)[:, None, None, None] + mx.arange(L)[None, None, :, None]
-    return mx.put_along_axis(buf, mx.broadcast_to(cols, new.shape), new, axis=2)
-
-
 def _grow(parts: Parts | None, like: Parts, grow: int) -> Parts:
     zeros = tuple(mx.zeros((p.shape[0], p.shape[1], grow, p.shape[3]), p.dtype) for p in like)
     if parts is None:
@@ -64,10 +64,20 @@ def _grow(parts: Parts | None, like: Parts, grow: int) -> Parts:
     return tuple(mx.concatenate([p, z], axis=2) for p, z in zip(parts, zeros, strict=True))
 
 
+def ring_size(window: int, reach: int) -> int:
+    """Columns a sliding layer keeps: its window plus the most tokens one append may bring
+    (a prefill chunk, a verify block), in whole key chunks (so also in whole pages)."""
+    return _span(window + reach)
+
+
 class RowKVCache:
-    def __init__(self, window: int | None = None, codec: KVCodec = FP) -> None:
+    def __init__(
+        self, window: int | None = None, codec: KVCodec = FP, ring: int | None = None
+    ) -> None:
+        assert ring is None or (window is not None and ring > window and ring % PAGE == 0)
         self.window = window
         self.codec = codec
+        self.ring = ring  # columns kept by a sliding layer (None: every column)
         self.kparts: Parts | None = None
         self.vparts: Parts | None = None
         self.dtype: mx.Dtype = mx.float32  # the model's K/V dtype (set by the first append)
@@ -81,26 +91,63 @@ class RowKVCache:
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """Validity (B, 1, N, W) of key columns for N new queries per row (built before update)."""
         window = window_size if window_size is not None else self.window
-        width = _span(max(self.ends, default=0) + N)
+        return self._valid(self.ends, N, window)
+
+    def _width(self, used: int) -> int:
+        """Key columns attention reads when the widest row holds `used` positions."""
+        return _span(used) if self.ring is None else min(self.ring, _span(used))
+
+    def _held(self, last: mx.array, width: int) -> mx.array:
+        """(B, 1, W) position each column holds for rows whose last written position is
+        `last` (B, 1, 1); negative: never written. Linear layout: column c holds position c
+        (columns past a row's end are masked by the causal rule)."""
         cols = mx.arange(width)[None, None, :]
-        qpos = mx.array(self.ends, dtype=mx.int32)[:, None, None] + mx.arange(N)[None, :, None]
-        valid = cols <= qpos
+        if self.ring is None:
+            return cols
+        return last - mx.remainder(last - cols, self.ring)
+
+    def _valid(self, starts: list[int], N: int, window: int | None) -> mx.array:
+        """Validity (B, 1, N, W) for queries at starts[i] + j (j < N), the block written."""
+        if self.ring is not None:
+            assert window == self.window, "a ring cache masks with its own window"
+        start = mx.array(starts, dtype=mx.int32)[:, None, None]
+        qpos = start + mx.arange(N)[None, :, None]
+        pos = self._held(start + N - 1, self._width(max(starts, default=0) + N))
+        valid = (pos >= 0) & (pos <= qpos)
         if window is not None:
-            valid = valid & (cols > qpos - window)
+            valid = valid & (pos > qpos - window)
         return valid[:, None]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         B, L = keys.shape[0], keys.shape[2]
         assert len(self.ends) == B, f"cache has {len(self.ends)} rows, input has {B}"
+        assert self._fits(L), f"an append of {L} tokens is wider than the ring's slack"
         self.dtype = keys.dtype
         kp, vp = self.codec.key.encode(keys), self.codec.value.encode(values)
-        width = _span(max(self.ends) + L)
+        width = self._width(max(self.ends) + L)
         self._reserve(width, kp, vp)
         assert self.kparts is not None and self.vparts is not None
-        self.kparts = tuple(_scatter(b, n, self.ends) for b, n in zip(self.kparts, kp, strict=True))
-        self.vparts = tuple(_scatter(b, n, self.ends) for b, n in zip(self.vparts, vp, strict=True))
+        self.kparts = tuple(self._scatter(b, n) for b, n in zip(self.kparts, kp, strict=True))
+        self.vparts = tuple(self._scatter(b, n) for b, n in zip(self.vparts, vp, strict=True))
         self.ends = [e + L for e in self.ends]
         return self._decoded(width, max(self.ends))
+
+    def _fits(self, L: int) -> bool:
+        """Whether appending L tokens keeps every position a query can still see."""
+        return self.ring is None or (self.window is not None and self.ring - self.window >= L)
+
+    def _scatter(self, buf: mx.array, new: mx.array) -> mx.array:
+        """Write each row's new columns at its own end (modulo the ring)."""
+        L, ends = new.shape[2], self.ends
+        if len(set(ends)) == 1 and (self.ring is None or ends[0] % self.ring + L <= self.ring):
+            start = ends[0] if self.ring is None else ends[0] % self.ring
+            buf[:, :, start : start + L] = new
+            return buf
+        cols = mx.array(ends, dtype=mx.int32)[:, None, None, None]
+        cols = cols + mx.arange(L)[None, None, :, None]
+        if self.ring is not None:
+            cols = mx.remainder(cols, self.ring)
+        return mx.put_along_axis(buf, mx.broadcast_to(cols, new.shape), new, axis=2)
 
     def _decoded(self, width: int, used: int | None = None) -> tuple[mx.array, mx.array]:
         """Columns [0, width) decoded, in the codec's attention space. A quantized codec
@@ -118,11 +165,21 @@ class RowKVCache:
         return out[0], out[1]
 
     def attend(
-        self, queries, keys, values, scale: float, mask, block: bool = False, sinks=None,
+        self,
+        queries,
+        keys,
+        values,
+        scale: float,
+        mask,
+        block: bool = False,
+        sinks=None,
         softcap: float | None = None,
     ) -> mx.array:
         if not isinstance(mask, mx.array):
             raise ValueError("RowKVCache.attend needs the array mask from make_mask")
+        if self.ring is not None:  # whatever cache the model made the mask from: ring columns
+            N = queries.shape[2]
+            mask = self._valid([e - N for e in self.ends], N, self.window)
         queries = self.codec.key.rotate(queries)
         if block:
             assert len(self.ends) == 1, "block attention is for one row's own prefill"
@@ -147,6 +204,54 @@ class RowKVCache:
         assert self.kparts is not None, "the cache holds no K/V yet"
         keys, values = self._decoded(self.capacity if width is None else width)
         return self.codec.key.unrotate(keys), self.codec.value.unrotate(values)
+
+    def committed(self, window: int | None) -> tuple[mx.array, mx.array, mx.array]:
+        """Decoded K/V (model space) and validity (B, 1, 1, W) for one query per row at its
+        end reading the row's committed keys (positions < end; within `window` if given).
+        A row holding nothing reads one zero key (its softmax stays finite)."""
+        assert self.kparts is not None, "the cache holds no K/V yet"
+        if self.ring is not None and (window is None or window > self.window):
+            raise ValueError(
+                f"a sliding layer keeps only its last {self.window} positions; "
+                f"it cannot be read with window {window}"
+            )
+        width = min(self.capacity, self._width(max(*self.ends, 1)))
+        end = mx.array(self.ends, dtype=mx.int32)[:, None, None]
+        pos = self._held(end - 1, width)
+        valid = (pos >= 0) & (pos < end)
+        if window is not None:
+            valid = valid & (pos > end - window)
+        valid = valid | ((end == 0) & (mx.arange(width) == 0))
+        keys, values = self.fetch(width)
+        return keys, values, valid[:, None]
+
+    def columns(self, start: int, end: int) -> tuple[Parts, Parts]:
+        """The stored parts of one row's positions [start, end) (still held: a ring keeps
+        the last `ring` positions), as views."""
+        assert self.kparts is not None and self.vparts is not None and len(self.ends) == 1
+        assert start >= 0 and end <= self.ends[0]
+        assert self.ring is None or self.ends[0] - start <= self.ring, "positions no longer held"
+        if self.ring is None:
+            cols: slice | mx.array = slice(start, end)
+        else:
+            cols = mx.remainder(mx.arange(start, end), self.ring)
+        return tuple(p[:, :, cols] for p in self.kparts), tuple(p[:, :, cols] for p in self.vparts)
+
+    def place(self, kparts: Parts, vparts: Parts, dtype: mx.Dtype) -> None:
+        """Fill this blank one-row cache from the stored parts of positions [0, n): the
+        columns a row that appended them holds (a ring keeps the last `ring`), zero-padded
+        to whole pages as appends leave them."""
+        assert self.ends == [0] and self.kparts is None
+        n = total = kparts[0].shape[2]
+        capacity = -(-n // PAGE) * PAGE
+        if self.ring is not None and n > self.ring:
+            slots = self._held(mx.array([[[n - 1]]], dtype=mx.int32), self.ring).reshape(-1)
+            kparts, vparts = (tuple(p[:, :, slots] for p in x) for x in (kparts, vparts))
+            n = capacity = self.ring
+        pad = [(0, 0), (0, 0), (0, capacity - n), (0, 0)]
+        self.kparts = tuple(mx.pad(p, pad) for p in kparts)
+        self.vparts = tuple(mx.pad(p, pad) for p in vparts)
+        self.dtype, self.ends = dtype, [total]
 
     @property
     def keys(self) -> mx.array | None:
@@ -174,7 +279,7 @@ class RowKVCache:
         self.ends = list(ends)
 
     def _empty_like(self) -> RowKVCache:
-        out = type(self)(self.window, self.codec)
+        out = type(self)(self.window, self.codec, self.ring)
         out.dtype = self.dtype
         return out
 
@@ -183,7 +288,8 @@ class RowKVCache:
         out = self._empty_like()
         out.ends = [self.ends[i] for i in idx]
         if self.kparts is not None and self.vparts is not None and idx:
-            width = min(self.capacity, -(-max(max(out.ends), 1) // PAGE) * PAGE)
+            used = max(*out.ends, 1) if self.ring is None else min(max(*out.ends, 1), self.ring)
+            width = min(self.capacity, -(-used // PAGE) * PAGE)
             rows = mx.array(idx, dtype=mx.int32)
             out.kparts = tuple(p[rows, :, :width] for p in self.kparts)
             out.vparts = tuple(p[rows, :, :width] for p in self.vparts)

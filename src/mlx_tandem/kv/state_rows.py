@@ -34,7 +34,7 @@ from mlx_tandem.kv.attention import BlockMode
 from mlx_tandem.kv.codec import FP, KVCodec
 from mlx_tandem.kv.recurrent import rewind
 from mlx_tandem.kv.routing import attention_route, route_attention
-from mlx_tandem.kv.row_cache import PAGE, RowKVCache
+from mlx_tandem.kv.row_cache import RowKVCache, ring_size
 
 LayerCache = Any  # RowKVCache | ArraysCache | CacheList
 CodecPlan = Callable[[int, "int | None"], KVCodec]  # (layer, window) -> that layer's codec
@@ -73,18 +73,24 @@ class RowSpan:
 
 # --- per-kind primitives ----------------------------------------------------------
 def _row_kind(
-    cache: Any, kv: type[RowKVCache] = RowKVCache, layer: int = 0, plan: CodecPlan = _fp_plan
+    cache: Any,
+    kv: type[RowKVCache] = RowKVCache,
+    layer: int = 0,
+    plan: CodecPlan = _fp_plan,
+    reach: int | None = None,
 ) -> LayerCache:
     if type(cache) is KVCache:
         return kv(None, plan(layer, None))
     if type(cache) is RotatingKVCache:
         if cache.keep:
             raise ValueError("RotatingKVCache with keep > 0 is not supported by the rows engine")
-        return kv(cache.max_size, plan(layer, cache.max_size))
+        window = cache.max_size
+        ring = None if reach is None else ring_size(window, reach)
+        return kv(window, plan(layer, window), ring)
     if type(cache) is ArraysCache:
         return ArraysCache(len(cache.cache))
     if type(cache) is CacheList:
-        return CacheList(*[_row_kind(c, kv, layer, plan) for c in cache.caches])
+        return CacheList(*[_row_kind(c, kv, layer, plan, reach) for c in cache.caches])
     raise ValueError(f"cache kind {type(cache).__name__} is not supported by the rows engine")
 
 
@@ -123,7 +129,7 @@ def _concat(parts: list[LayerCache], counts: list[int]) -> LayerCache:
 
 def _blank(cache: LayerCache, n: int) -> LayerCache:
     if isinstance(cache, RowKVCache):
-        out = type(cache)(cache.window, cache.codec)
+        out = type(cache)(cache.window, cache.codec, cache.ring)
         out.ends = [0] * n
         return out
     if isinstance(cache, CacheList):
@@ -157,21 +163,30 @@ class StateRows:
 
     @classmethod
     def empty(
-        cls, model: nn.Module, plan: CodecPlan = _fp_plan, kind: type[RowKVCache] = RowKVCache
+        cls,
+        model: nn.Module,
+        plan: CodecPlan = _fp_plan,
+        kind: type[RowKVCache] = RowKVCache,
+        reach: int | None = None,
     ) -> StateRows:
         """No rows yet; layer kinds mirror mlx-lm's `make_prompt_cache(model)`; `plan` gives
-        each attention layer's KV codec (default: float); `kind` the row-cache class."""
-        return cls(
-            [_row_kind(c, kind, i, plan) for i, c in enumerate(make_prompt_cache(model))], 0
-        )
+        each attention layer's KV codec (default: float); `kind` the row-cache class;
+        `reach`: the most tokens one append brings — sliding layers then keep a ring of
+        their window plus that (kv/row_cache.ring_size), else every column."""
+        caches = make_prompt_cache(model)
+        return cls([_row_kind(c, kind, i, plan, reach) for i, c in enumerate(caches)], 0)
 
     @classmethod
     def blank(
-        cls, model: nn.Module, rows: int, plan: CodecPlan = _fp_plan,
+        cls,
+        model: nn.Module,
+        rows: int,
+        plan: CodecPlan = _fp_plan,
         kind: type[RowKVCache] = RowKVCache,
+        reach: int | None = None,
     ) -> StateRows:
         """`rows` rows holding no tokens yet."""
-        empty = cls.empty(model, plan, kind)
+        empty = cls.empty(model, plan, kind, reach)
         return cls([_blank(c, rows) for c in empty.layers], rows)
 
     def leaves(self) -> list[Any]:
@@ -270,15 +285,19 @@ class StateRows:
         leaves: list[Any] = []
         for c in self.leaves():
             if isinstance(c, RowKVCache):
-                assert c.kparts is not None and c.vparts is not None
-                k = tuple(copied(p[:, :, start:end]) for p in c.kparts)
-                v = tuple(copied(p[:, :, start:end]) for p in c.vparts)
-                leaves.append((k, v, c.dtype))
+                k, v = c.columns(start, end)
+                leaves.append((tuple(map(copied, k)), tuple(map(copied, v)), c.dtype))
             else:
                 leaves.append([None if a is None else copied(a) for a in c.cache])
         span = RowSpan(start, end, tuple(leaves))
-        mx.eval(*[a for leaf in leaves for a in (
-            [*leaf[0], *leaf[1]] if isinstance(leaf, tuple) else leaf) if a is not None])
+        mx.eval(
+            *[
+                a
+                for leaf in leaves
+                for a in ([*leaf[0], *leaf[1]] if isinstance(leaf, tuple) else leaf)
+                if a is not None
+            ]
+        )
         return span
 
     def load_spans(self, spans: list[RowSpan]) -> None:
@@ -287,14 +306,10 @@ class StateRows:
         that computed them holds) and the last span's recurrent state."""
         assert self.rows == 1 and self.ends == [0] and spans and spans[0].start == 0
         assert all(a.end == b.start for a, b in pairwise(spans))
-        end = spans[-1].end
-        capacity = -(-end // PAGE) * PAGE
         for n, c in enumerate(self.leaves()):
             if isinstance(c, RowKVCache):
                 parts = [s.leaves[n] for s in spans]
-                c.kparts = _joined([p[0] for p in parts], capacity)
-                c.vparts = _joined([p[1] for p in parts], capacity)
-                c.dtype, c.ends = parts[0][2], [end]
+                c.place(_joined([p[0] for p in parts]), _joined([p[1] for p in parts]), parts[0][2])
             else:
                 c.cache = list(spans[-1].leaves[n])
 
@@ -313,22 +328,19 @@ def copied(a: mx.array) -> mx.array:
     return mx.take(a, mx.arange(a.shape[-1]), axis=-1)
 
 
-def _joined(pieces: list[tuple[mx.array, ...]], capacity: int) -> tuple[mx.array, ...]:
-    """Column pieces of each part concatenated, zero-padded to `capacity` columns."""
-    out = []
-    for columns in zip(*pieces, strict=True):
-        a = mx.concatenate(list(columns), axis=2)
-        pad = capacity - a.shape[2]
-        out.append(mx.pad(a, [(0, 0), (0, 0), (0, pad), (0, 0)]) if pad else a)
-    return tuple(out)
+def _joined(pieces: list[tuple[mx.array, ...]]) -> tuple[mx.array, ...]:
+    """Column pieces of each part concatenated."""
+    return tuple(mx.concatenate(list(columns), axis=2) for columns in zip(*pieces, strict=True))
 
 
 # --- the model copy the rows run on -----------------------------------------------
 class _ProbeKV(RowKVCache):
     """A row cache that records which module writes it and how often `attend` runs on it."""
 
-    def __init__(self, window: int | None = None, codec: KVCodec = FP) -> None:
-        super().__init__(window, codec)
+    def __init__(
+        self, window: int | None = None, codec: KVCodec = FP, ring: int | None = None
+    ) -> None:
+        super().__init__(window, codec, ring)
         self.writer: object = None
         self.attends = 0
 
@@ -337,7 +349,14 @@ class _ProbeKV(RowKVCache):
         return super().update_and_fetch(keys, values)
 
     def attend(
-        self, queries, keys, values, scale: float, mask, block: bool = False, sinks=None,
+        self,
+        queries,
+        keys,
+        values,
+        scale: float,
+        mask,
+        block: bool = False,
+        sinks=None,
         softcap: float | None = None,
     ) -> mx.array:
         self.attends += 1
