@@ -16,7 +16,7 @@ count, no 5xx in /metrics, no rows left running.
     .venv/bin/python bench/soak.py --model smollm2-135m               # 64 clients, 500 requests
     .venv/bin/python bench/soak.py --model ./folder --clients 16 --requests 60
 
-Oracle: tests/test_soak.py (the same at 16 clients, 60 requests; slow).
+Oracle: tests/test_soak.py (the same at 12 clients, 40 requests; slow).
 """
 
 from __future__ import annotations
