@@ -308,21 +308,18 @@ class RowKVCache:
         ref = filled[0]
         out.dtype = ref.dtype
         capacity = max(p.capacity for p in filled)
-
-        def padded(p: RowKVCache, which: str) -> Parts:
-            mine: Parts | None = getattr(p, which)
-            like: Parts = getattr(ref, which)
-            if mine is None:
-                return tuple(
-                    mx.zeros((len(p.ends), a.shape[1], capacity, a.shape[3]), a.dtype) for a in like
-                )
-            if p.capacity < capacity:
-                mine = _grow(mine, mine, capacity - p.capacity)
-            return mine
-
-        for which in ("kparts", "vparts"):
-            columns = list(zip(*[padded(p, which) for p in parts], strict=True))
-            setattr(out, which, tuple(mx.concatenate(list(c), axis=0) for c in columns))
+        for which in ("kparts", "vparts"):  # one buffer per part, each row copied once
+            merged = []
+            for j, like in enumerate(getattr(ref, which)):
+                shape = (len(out.ends), like.shape[1], capacity, like.shape[3])
+                buf, row = mx.zeros(shape, like.dtype), 0
+                for p in parts:
+                    mine: Parts | None = getattr(p, which)
+                    if mine is not None:
+                        buf[row : row + len(p.ends), :, : mine[j].shape[2]] = mine[j]
+                    row += len(p.ends)
+                merged.append(buf)
+            setattr(out, which, tuple(merged))
         return out
 
     def clone(self) -> RowKVCache:
