@@ -21,9 +21,7 @@ one would (`span_append_safe`; checked by `span_append_mismatch`). The rows
 engine refuses a codec that does not declare it.
 
 A codec name may carry per-layer options: `,fp-edges` keeps the first and last
-attention layers in float, `,fp-sliding` keeps sliding-window layers in float,
-`,kN-full` stores the keys of full-attention layers with N bits (a model whose few
-full layers carry the long-range context: Gemma 3's 3 of 18);
+attention layers in float, `,fp-sliding` keeps sliding-window layers in float;
 `,center` (`,vcenter`) stores each key (value) minus its layer's per-head mean and
 `,eq` divides keys by per-channel scales (queries multiplied by them), all fixed model
 constants measured once by the runner on `CALIBRATION` (kv/calibrated.py).
@@ -53,7 +51,7 @@ AFFINE_GROUPS = (32, 64, 128)
 KINDS = ("fp", "affine", "turbo")
 NAMES_HELP = (
     "fp, affine8, affine4[:g32|g64|g128], turbo-kKvV (K,V in 2,3,4,8)"
-    "[,fp-edges][,fp-sliding][,kN-full][,center][,vcenter][,eq]"
+    "[,fp-edges][,fp-sliding][,center][,vcenter][,eq]"
 )
 
 
@@ -352,7 +350,6 @@ class CodecSpec:
     group: int = 64
     fp_edges: bool = False
     fp_sliding: bool = False
-    full_key_bits: int | None = None  # `,kN-full`: full-attention layers' key bits
     center: bool = False
     vcenter: bool = False
     eq: bool = False
@@ -371,14 +368,11 @@ class CodecSpec:
             return FP
         key: VectorCodec
         value: VectorCodec
-        key_bits = self.key_bits
-        if self.full_key_bits is not None and window is None:
-            key_bits = self.full_key_bits
         if self.kind == "affine":
-            key, value = AffineCodec(key_bits, self.group), AffineCodec(self.value_bits, self.group)
+            key = value = AffineCodec(self.key_bits, self.group)
         else:
             seed = 0x7A11 + 2 * layer
-            key, value = TurboCodec(key_bits, seed), TurboCodec(self.value_bits, seed + 1)
+            key, value = TurboCodec(self.key_bits, seed), TurboCodec(self.value_bits, seed + 1)
         if stats is not None and self.eq:
             key = Scaled(key, stats.key_scale)
         if stats is not None and self.center:
@@ -389,32 +383,26 @@ class CodecSpec:
 
 
 _BASE = re.compile(r"^(?:(fp)|affine(\d+)(?::g(\d+))?|turbo-k(\d+)v(\d+))$")
-_FULL_KEYS = re.compile(r"^k(\d+)-full$")
-_OPTIONS = ("fp-edges", "fp-sliding", "center", "vcenter", "eq")
 
 
 def parse_codec(text: str) -> CodecSpec:
     """A codec name -> CodecSpec; ValueError naming the accepted names otherwise."""
     head, *options = [t.strip() for t in str(text).strip().lower().split(",")]
     m = _BASE.match(head)
-    bad = [o for o in options if o not in _OPTIONS and not _FULL_KEYS.match(o)]
+    bad = [o for o in options if o not in ("fp-edges", "fp-sliding", "center", "vcenter", "eq")]
     if m is None or bad:
         raise ValueError(f"unknown kv codec {text!r}; known: {NAMES_HELP}")
-    full = [int(f.group(1)) for o in options if (f := _FULL_KEYS.match(o))]
     flags = {
         "fp_edges": "fp-edges" in options, "fp_sliding": "fp-sliding" in options,
         "center": "center" in options and not m.group(1),
         "vcenter": "vcenter" in options and not m.group(1),
         "eq": "eq" in options and not m.group(1),
-        "full_key_bits": full[-1] if full and not m.group(1) else None,
     }
     if m.group(1):
         return CodecSpec("fp", "fp")
     if m.group(2):
         bits, group = int(m.group(2)), int(m.group(3) or 64)
-        if bits not in AFFINE_BITS or group not in AFFINE_GROUPS or (
-            full and full[-1] not in AFFINE_BITS
-        ):
+        if bits not in AFFINE_BITS or group not in AFFINE_GROUPS:
             raise ValueError(
                 f"kv codec {text!r}: affine bits must be one of {AFFINE_BITS} and the group "
                 f"size one of {AFFINE_GROUPS}"
@@ -422,7 +410,7 @@ def parse_codec(text: str) -> CodecSpec:
         name = ",".join([f"affine{bits}:g{group}", *options])
         return CodecSpec(name, "affine", bits, bits, group, **flags)
     k, v = int(m.group(4)), int(m.group(5))
-    if k not in TURBO_BITS or v not in TURBO_BITS or (full and full[-1] not in TURBO_BITS):
+    if k not in TURBO_BITS or v not in TURBO_BITS:
         raise ValueError(f"kv codec {text!r}: turbo key/value bits must be in {TURBO_BITS}")
     return CodecSpec(",".join([f"turbo-k{k}v{v}", *options]), "turbo", k, v, **flags)
 
