@@ -412,17 +412,16 @@ def test_disconnect_cancels_the_row(plain):
             if data == 3:
                 break
         assert len(plain.engine.running) == 1
-    start = time.monotonic()
-    assert plain.wait_idle(2.0), "the row was not cancelled"
-    freed_s = time.monotonic() - start
+    # 3,000 tokens would take minutes: idle within seconds means the row was cancelled (the
+    # bound is loose: a loaded 2-core CI machine runs a step in up to ~1 s)
+    assert plain.wait_idle(10.0), "the row was not cancelled"
     metrics = plain.metrics()
     assert metrics["tandem_rows_running"] == 0 and metrics["tandem_rows_queued"] == 0
     assert metrics['tandem_requests_total{status="cancelled"}'] == before + 1
-    assert freed_s < 1.0
 
     with pytest.raises(httpx.ReadTimeout):  # not streamed: the row goes when the client does
         httpx.post(plain.url + "/v1/chat/completions", json={**body, "stream": False}, timeout=0.5)
-    assert plain.wait_idle(2.0)
+    assert plain.wait_idle(10.0)
     assert plain.metrics()['tandem_requests_total{status="cancelled"}'] == before + 2
 
 
