@@ -128,16 +128,17 @@ async def stream_text(
     return text, finish, done
 
 
-async def references(url: str, timeout: float) -> dict[tuple[int, int], str]:
-    """Each (question, length) served alone, one request at a time."""
+async def references(
+    url: str, timeout: float, pairs: set[tuple[int, int]]
+) -> dict[tuple[int, int], str]:
+    """Each (question, length) the plans use, served alone, one request at a time."""
     out = {}
     async with httpx.AsyncClient(timeout=timeout) as client:
-        for q, question in enumerate(QUESTIONS):
-            for tokens in LENGTHS:
-                text, finish, done = await stream_text(client, url, body(question, tokens, True), None)
-                if not done or finish is None:
-                    raise RuntimeError(f"reference {q}/{tokens} did not complete")
-                out[(q, tokens)] = text
+        for q, tokens in sorted(pairs):
+            text, finish, done = await stream_text(client, url, body(QUESTIONS[q], tokens, True), None)
+            if not done or finish is None:
+                raise RuntimeError(f"reference {q}/{tokens} did not complete")
+            out[(q, tokens)] = text
     return out
 
 
@@ -233,8 +234,10 @@ def run(
     proc, url = start_server(model, list(serve_args))
     try:
         started = time.monotonic()
-        refs = asyncio.run(references(url, request_timeout))
         warm = plan(min(clients, requests), disconnect, invalid, seed + 1)
+        work = plan(requests, disconnect, invalid, seed)
+        pairs = {arg for kind, arg in warm + work if kind == "greedy"}
+        refs = asyncio.run(references(url, request_timeout, pairs))
         asyncio.run(load(url, warm, clients, refs, request_timeout))  # warm-up: same mix
         asyncio.run(wait_idle(url, 30))
         rss_warm, threads_warm = proc_status(proc.pid)
@@ -248,7 +251,6 @@ def run(
 
             sampler = asyncio.create_task(sample())
             try:
-                work = plan(requests, disconnect, invalid, seed)
                 return await load(url, work, clients, refs, request_timeout)
             finally:
                 sampler.cancel()

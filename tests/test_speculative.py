@@ -121,6 +121,53 @@ def test_seeded_rows_with_a_sampling_drafter_are_identical_alone_and_batched_ada
         assert alone[0].tokens == batched[i].tokens, i
 
 
+def test_a_draft_model_prefills_long_prompts_a_chunk_per_unit(target, drafters):
+    """Long prompts joining mid-flight: the draft model's own prefill runs a chunk at a time
+    inside the engine's prefill units (never the whole prompt at the join), with the chunk
+    boundaries a whole-prompt prefill has — greedy == plain, seeded rows alone == batched,
+    and the draft rows equal a whole-prompt prefill's bit for bit."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in (70, 5, 150, 40, 99)]
+    params = [SamplingParams(max_tokens=10) if i % 2 else
+              SamplingParams(max_tokens=10, temperature=0.8, top_k=30, seed=i)
+              for i in range(len(prompts))]  # fmt: skip
+    folder, model = target
+    plain, _ = run(model, prompts, params)
+
+    def budgeted() -> tuple[DraftModelSource, list[int]]:
+        source, sizes = DraftModelSource(perturbed(folder), chunk=16), []
+        prefill = source.runner.prefill
+
+        def recorded(rows, ids, chunk):
+            sizes.append(len(ids))
+            return prefill(rows, ids, chunk)
+
+        source.runner.prefill = recorded
+        return source, sizes
+
+    source, sizes = budgeted()
+    got, engine = run(model, prompts, params, source, FixedDepth(3))
+    assert max(sizes) <= 16 and len(sizes) > 10, sizes
+    for g, p, sp in zip(got, plain, params, strict=True):
+        if sp.greedy:
+            assert g.tokens == p.tokens
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        alone, _ = run(model, [p], [sp], budgeted()[0], FixedDepth(3))
+        assert alone[0].tokens == got[i].tokens, i
+    whole = DraftModelSource(perturbed(folder), chunk=16)
+    for p in prompts[:3]:  # the spread prefill's row == one whole-prompt prefill's
+        request = engine.new_request(p, SamplingParams(max_tokens=1))
+        source.prefill(request, len(p))
+        source.prefill(request, len(p))
+        row, done = request.draft_joining
+        if len(p) - 1 > done:
+            source.runner.prefill(row, p[done:-1], 16)
+        ref = whole.runner.blank_rows(1)
+        whole.runner.prefill(ref, p[:-1], 16)
+        for a, b in zip(row.arrays(), ref.arrays(), strict=True):
+            assert mx.array_equal(a, b).item()
+
+
 def test_seeded_sampling_with_deterministic_drafts_equals_plain_sampling(target, drafters):
     """Prompt lookup drafts are verified by each position's own keyed sample, so a seeded
     row's tokens are plain sampling's at every depth, fixed or adaptive, alone or batched."""

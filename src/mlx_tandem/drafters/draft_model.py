@@ -54,18 +54,34 @@ class DraftModelSource:
         self._drafts: list[list[int]] = []
         self._depth = 0
 
+    def prefill(self, request: Request, upto: int) -> None:
+        """While `request` joins: advance its own row by whole chunks ending at most at `upto`
+        (the target's progress), at most two a call, so this prefill runs inside the engine's
+        budgeted prefill units. Chunks start at multiples of `chunk`, as a whole-prompt
+        prefill's do: the row's arithmetic never depends on the schedule."""
+        row, done = request.draft_joining or (self.runner.blank_rows(1), 0)
+        end = min(upto, len(request.prompt) - 1)
+        for _ in range(2):
+            if done + self.chunk > end:
+                break
+            self.runner.prefill(row, request.prompt[done : done + self.chunk], self.chunk)
+            done += self.chunk
+        request.draft_joining = (row, done)
+
     def prepare_append(self, requests: list[Request], hidden: mx.array) -> PreparedChange:
         parts = []
         for r in requests:  # the drafter sees the same prompt, minus the pending last token
-            row = self.runner.blank_rows(1)
-            if len(r.prompt) > 1:
-                self.runner.prefill(row, r.prompt[:-1], self.chunk)
+            row, done = r.draft_joining or (self.runner.blank_rows(1), 0)
+            if len(r.prompt) - 1 > done:  # the rest: less than a chunk unless it fell behind
+                self.runner.prefill(row, r.prompt[done:-1], self.chunk)
             parts.append(row)
         change = self.rows.prepare_append(parts)
 
         def commit() -> None:
             change.commit()
             self.pending_last += [None] * len(requests)
+            for r in requests:
+                r.draft_joining = None
 
         return PreparedChange(commit=commit, dispose=change.dispose)
 

@@ -13,6 +13,8 @@ from mlx_tandem.drafters.prompt_lookup import PromptLookupSource
 from mlx_tandem.engine.config import RuntimeConfig
 from mlx_tandem.engine.depth import AdaptiveDepth, DepthPolicy, FixedDepth
 from mlx_tandem.engine.draft_source import DraftSource
+from mlx_tandem.engine.prefill import PrefillPolicy, device_kind
+from mlx_tandem.engine.scheduler import default_budget
 from mlx_tandem.models.assistant_folder import is_assistant_folder, load_assistant
 from mlx_tandem.models.catalogue import tandem_home
 from mlx_tandem.models.loader import LoadedModel, load
@@ -40,9 +42,10 @@ def build_drafter(
         return AssistantSource(load_assistant(folder), target, mode or DEFAULT_ASSISTANT_MODE)
     draft = target if spec == target.name else load(spec, dtype=dtype, progress=False)
     check_compatible(target, draft)
-    return DraftModelSource(
-        draft, chunk=config.prefill_chunk or 512, batch_invariant=config.batch_invariant
-    )
+    # its prompt chunks: sized for the draft model as the engine's are for the target, so
+    # one draft chunk costs about what one target chunk does (both run in a prefill unit)
+    policy = PrefillPolicy.resolve(draft.config, config, default_budget(draft), device_kind())
+    return DraftModelSource(draft, chunk=policy.chunk, batch_invariant=config.batch_invariant)
 
 
 def build_depth(kind: str, num_draft_tokens: int) -> DepthPolicy:

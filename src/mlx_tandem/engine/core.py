@@ -36,7 +36,12 @@ from mlx_tandem.engine.constraint import GrammarCompiler, grammar_masks
 from mlx_tandem.engine.depth import DepthPolicy, FixedDepth
 from mlx_tandem.engine.draft_source import Drafts, DraftSource
 from mlx_tandem.engine.postprocess import accept_tokens
-from mlx_tandem.engine.prefill import PrefillPolicy, keep_in_cache, start_from_cache
+from mlx_tandem.engine.prefill import (
+    PrefillPolicy,
+    device_kind,
+    keep_in_cache,
+    start_from_cache,
+)
 from mlx_tandem.engine.request import Request, RequestHandle, new_request
 from mlx_tandem.engine.runner import ModelRunner
 from mlx_tandem.engine.sampling import MAX_DRAFT, SamplingParams
@@ -78,8 +83,9 @@ class EngineCore:
             model.tokenizer._tokenizer, model.graph.vocab_size, model.eos_token_ids
         )
         budget = self.config.memory_budget or default_budget(model)
-        device = "cpu" if mx.default_device() == mx.cpu else "gpu"
-        self.prefill_policy = PrefillPolicy.resolve(model.config, self.config, budget, device)
+        self.prefill_policy = PrefillPolicy.resolve(
+            model.config, self.config, budget, device_kind()
+        )
         # the widest append (a prefill chunk or a verify block) sizes sliding layers' rings
         self.runner.reach = max(self.prefill_policy.chunk, MAX_DRAFT + 1)
         memory = measure_memory(self.runner)
@@ -323,6 +329,8 @@ class EngineCore:
                 last = self.runner.prefill(request.joining, piece, self.prefill_policy.chunk)[:, 0]
                 request.prefilled += len(piece)
                 keep_in_cache(self.scheduler.prefix_cache, request, last)
+                if hasattr(self.drafter, "prefill"):  # its own rows: prefilled in this unit too
+                    self.drafter.prefill(request, request.prefilled)
             if request.prefilled == len(request.prompt) - 1:
                 self._join([request], request.joining, last)
         except Exception as err:  # the cohort is untouched: the row never joined
@@ -346,7 +354,7 @@ class EngineCore:
 
     def _fail_joining(self, request: Request, err: Exception) -> None:
         self.scheduler.joining.remove(request)
-        request.joining = None
+        request.joining = request.draft_joining = None
         self._finish(request, "error", f"{type(err).__name__}: {err}")
 
     # --- leaving rows -----------------------------------------------------------------
@@ -358,7 +366,7 @@ class EngineCore:
             self.running = [self.running[i] for i in keep]
 
     def _finish(self, request: Request, reason: str, error: str | None = None) -> None:
-        request.joining = None
+        request.joining = request.draft_joining = None
         self.scheduler.release(request)
         request.finish(reason, error)
 

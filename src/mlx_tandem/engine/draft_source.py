@@ -12,6 +12,11 @@ position each row fed — the last prefilled prompt token on joining, the last
 accepted verify slot after each step — computed by forwards it runs anyway.
 Drafters that do not read it never evaluate it (MLX is lazy).
 
+A drafter whose rows need the prompt (a draft model) may also offer
+`prefill(request, upto)`: the engine calls it after each chunk of a long
+prompt's prefill, so that work runs inside the same budgeted prefill units;
+`prepare_append` then does only what is left.
+
 `Drafts.q` carries the distribution each proposal was drawn from when the
 drafter samples (None: proposals are deterministic, q is one-hot) — the
 verifier needs it for the rejection rule.

@@ -55,6 +55,11 @@ def flops_per_token(model_config: dict[str, Any]) -> float:
     return 2.0 * per_layer * layers
 
 
+def device_kind() -> str:
+    """"cpu" or "gpu": the CHUNK_FLOPS row for the default device."""
+    return "cpu" if mx.default_device() == mx.cpu else "gpu"
+
+
 @dataclass(frozen=True)
 class PrefillPolicy:
     chunk: int

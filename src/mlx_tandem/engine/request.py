@@ -3,7 +3,8 @@
 The cohort is a list of Requests plus one StateRows; filtering the cohort
 filters both with the same index list, and no other per-row list exists.
 A request's row state while it is being prefilled (`joining`) is its own
-one-row StateRows; it merges into the cohort only when prefill completes.
+one-row StateRows; it merges into the cohort only when prefill completes. A
+drafter that prefills rows of its own keeps its part in `draft_joining`.
 
 `new_request` validates a prompt and its parameters against the model before
 anything else exists (`check_prompt`); nothing in the engine changes until it
@@ -167,6 +168,7 @@ class Request:
         self.tokens: list[int] = []
         self.prefilled = 0  # prompt tokens already in `joining`
         self.joining: StateRows | None = None
+        self.draft_joining: tuple[StateRows, int] | None = None  # a drafter's row, tokens held
         self.pending = prompt[-1]  # the next token to feed; its logits give the next sample
         self.history = mx.array(prompt, dtype=mx.uint32) if sampler.needs_history else None
         self.grammar = grammar  # the row's parser state when its output is constrained
