@@ -1,12 +1,15 @@
 """Server load: `tandem serve` vs `mlx_lm.server` on the same model folder, same machine.
 
 Starts each server as a subprocess (mlx_lm.server also gets OpenBLAS preloaded, for
-a fair comparison), then for 1, 8 and 32 concurrent streaming clients sends the same
-chat requests (greedy, fixed max_tokens) and reports generated tok/s, time to first
-token p50/p95 and inter-token latency p50. tandem runs with speculation off and with
-ngram speculation on.
+a fair comparison): mlx_lm.server, `tandem serve` with its defaults (prompt lookup,
+adaptive depth) and `tandem serve --draft-model none`. For each load — `chat` (open-ended
+questions), `grounded` (rewrite a given passage: the output copies the input) and `mixed`
+(alternating) — and 1, 8 and 32 concurrent streaming clients it sends greedy requests of
+`--tokens` tokens and reports generated tok/s counted from each response's `usage`
+(`stream_options.include_usage`; SSE chunks hide multi-token steps), time to first token
+p50/p95, inter-token latency p50 and failed requests (errors, or a stream without usage).
 
-    .venv/bin/python bench/serve_load.py --model smollm2-135m --tokens 48
+    .venv/bin/python bench/serve_load.py --model smollm2-135m --tokens 64
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import argparse
 import asyncio
 import itertools
 import json
-import os
 import socket
 import statistics
 import subprocess
@@ -50,45 +52,76 @@ def start(cmd: list[str], port: int) -> subprocess.Popen:
     raise RuntimeError(f"server did not start: {' '.join(cmd)}")
 
 
+def passages() -> list[str]:
+    """Short passages of CPython's own documentation (offline, deterministic)."""
+    from pydoc_data.topics import topics
+
+    out = []
+    for key in ("execmodel", "exceptions", "compound", "assert", "pass", "del", "return", "if"):
+        words = topics[key].split()
+        out.append(" ".join(words[:90]))
+    return out
+
+
+def prompts(load: str) -> list[str]:
+    grounded = [f"Rewrite the following passage, keeping every sentence and fixing only its "
+                f"punctuation:\n\n{p}" for p in passages()]
+    if load == "chat":
+        return list(PROMPTS)
+    if load == "grounded":
+        return grounded
+    return [x for pair in zip(PROMPTS, grounded * 4, strict=False) for x in pair]
+
+
 async def one(client: httpx.AsyncClient, url: str, prompt: str, tokens: int) -> dict:
     body = {"model": "default_model", "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": tokens, "temperature": 0.0, "stream": True}
+            "max_tokens": tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     stamps: list[float] = []
-    async with client.stream("POST", url, json=body) as resp:
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            choices = chunk.get("choices") or []
-            if choices and choices[0].get("delta", {}).get("content"):
-                stamps.append(time.perf_counter())
+    generated = None
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            resp.raise_for_status()
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    generated = chunk["usage"]["completion_tokens"]
+                choices = chunk.get("choices") or []
+                if choices and choices[0].get("delta", {}).get("content"):
+                    stamps.append(time.perf_counter())
+    except (httpx.HTTPError, json.JSONDecodeError):
+        generated = None
     return {"ttft": stamps[0] - start if stamps else float("nan"),
             "itl": [b - a for a, b in itertools.pairwise(stamps)],
-            "chunks": len(stamps), "end": time.perf_counter()}
+            "tokens": generated or 0, "failed": generated is None}
 
 
-async def load_test(port: int, clients: int, tokens: int) -> dict:
+async def load_test(port: int, clients: int, tokens: int, texts: list[str]) -> dict:
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     async with httpx.AsyncClient(timeout=600) as client:
         start = time.perf_counter()
-        runs = await asyncio.gather(*(one(client, url, PROMPTS[i % len(PROMPTS)], tokens)
+        runs = await asyncio.gather(*(one(client, url, texts[i % len(texts)], tokens)
                                       for i in range(clients)))
         elapsed = time.perf_counter() - start
-    ttfts = sorted(r["ttft"] for r in runs)
-    itl = [x for r in runs for x in r["itl"]]
-    return {"tps": sum(r["chunks"] for r in runs) / elapsed,
+    ttfts = sorted(r["ttft"] for r in runs if not r["failed"]) or [float("nan")]
+    itl = [x for r in runs if not r["failed"] for x in r["itl"]]
+    return {"tps": sum(r["tokens"] for r in runs) / elapsed,
             "ttft50": statistics.median(ttfts),
             "ttft95": ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))],
-            "itl50": statistics.median(itl) if itl else float("nan")}
+            "itl50": statistics.median(itl) if itl else float("nan"),
+            "failed": sum(r["failed"] for r in runs)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--clients", default="1,8,32")
+    ap.add_argument("--loads", default="chat,grounded,mixed")
     ap.add_argument("--only", default="", help="run only servers whose name contains this")
     args = ap.parse_args()
     folder = load(args.model, dtype=args.dtype, progress=False).path  # prepared mlx-lm folder
@@ -96,32 +129,45 @@ def main() -> None:
     servers = {
         "mlx_lm.server": lambda port: [py, "-c", "import mlx_tandem; from mlx_lm.server import main; "
                                        "main()", "--model", str(folder), "--port", str(port)],
-        "tandem (no speculation)": lambda port: [py, "-m", "mlx_tandem.cli.main", "serve", "--model",
-                                                 str(folder), "--port", str(port), "--draft-model",
-                                                 "none", "--max-rows", "32"],
-        "tandem (ngram)": lambda port: [py, "-m", "mlx_tandem.cli.main", "serve", "--model",
-                                        str(folder), "--port", str(port), "--draft-model", "ngram",
-                                        "--max-rows", "32"],
+        "tandem (defaults)": lambda port: [py, "-m", "mlx_tandem.cli.main", "serve", "--model",
+                                           str(folder), "--port", str(port), "--max-rows", "32"],
+        "tandem (--draft-model none)": lambda port: [py, "-m", "mlx_tandem.cli.main", "serve",
+                                                     "--model", str(folder), "--port", str(port),
+                                                     "--draft-model", "none", "--max-rows", "32"],
     }
+    loads = args.loads.split(",")
+    clients_list = [int(c) for c in args.clients.split(",")]
     print(machine_line(f"server load, {args.model} ({folder.name}), {args.tokens} tokens/request"))
-    print("| server | clients | tok/s | TTFT p50 s | TTFT p95 s | ITL p50 ms |")
-    print("|---|---|---|---|---|---|")
-    env_note = os.environ.get("TANDEM_BATCH_INVARIANT", "1")
+    print("| load | server | clients | tok/s (usage) | TTFT p50 s | TTFT p95 s | ITL p50 ms "
+          "| failed |")
+    print("|---|---|---|---|---|---|---|---|")
+    results: dict[tuple[str, str, int], dict] = {}
     for name, cmd in servers.items():
         if args.only not in name:
             continue
         port = free_port()
         proc = start(cmd(port), port)
         try:
-            asyncio.run(load_test(port, 1, 4))  # warm-up
-            for clients in (int(c) for c in args.clients.split(",")):
-                r = asyncio.run(load_test(port, clients, args.tokens))
-                print(f"| {name} | {clients} | {r['tps']:.1f} | {r['ttft50']:.2f} | "
-                      f"{r['ttft95']:.2f} | {1000 * r['itl50']:.0f} |", flush=True)
+            asyncio.run(load_test(port, 1, 4, prompts("chat")))  # warm-up
+            for kind, clients in itertools.product(loads, clients_list):
+                r = asyncio.run(load_test(port, clients, args.tokens, prompts(kind)))
+                results[kind, name, clients] = r
+                print(f"| {kind} | {name} | {clients} | {r['tps']:.1f} | {r['ttft50']:.2f} | "
+                      f"{r['ttft95']:.2f} | {1000 * r['itl50']:.0f} | {r['failed']} |", flush=True)
         finally:
             proc.terminate()
             proc.wait(timeout=60)
-    print(f"\n(TANDEM_BATCH_INVARIANT={env_note})")
+    print("\n| load | clients | defaults / none | defaults / mlx_lm.server | TTFT p50 defaults "
+          "vs mlx_lm |")
+    print("|---|---|---|---|---|")
+    for kind, clients in itertools.product(loads, clients_list):
+        got = {n: results.get((kind, n, clients)) for n in servers}
+        d, off = got["tandem (defaults)"], got["tandem (--draft-model none)"]
+        ref = got["mlx_lm.server"]
+        cells = [f"{d['tps'] / off['tps']:.2f}x" if d and off else "",
+                 f"{d['tps'] / ref['tps']:.2f}x" if d and ref else "",
+                 f"{d['ttft50']:.2f} vs {ref['ttft50']:.2f} s" if d and ref else ""]
+        print(f"| {kind} | {clients} | {' | '.join(cells)} |")
 
 
 if __name__ == "__main__":
