@@ -6,11 +6,14 @@ tokens it may still generate).
 acceptance alone. A step's verify forward is as wide as its widest row, so rows
 whose drafts are deterministic share one depth k per step, chosen to maximise
 
-    sum over rows of E_i(k) / cost(k),   E_i(k) = (1 - a_i^(k+1)) / (1 - a_i),
+    sum over rows of E_i(k) / cost(k),   E_i(k) = 1 + o_i * ((1 - a_i^(k+1)) / (1 - a_i) - 1),
     cost(k) = 1 + k * c_B,
 
 against k = 0 (plain decoding: every row emits one token at cost 1). a_i is the
-row's acceptance estimate (on the Request), and c_B the measured extra time of
+row's acceptance estimate and o_i the share of steps it was asked to draft in which
+its drafter proposed anything (prompt lookup finds no match on most chat rows: a row
+that proposes nothing emits one token, and its acceptance is never measured), both
+on the Request; c_B is the measured extra time of
 one more drafted-and-verified token relative to a plain step, kept per batch-size
 bucket B (vLLM's per-batch-size K: a wider verify costs little at B = 1 and
 almost its full width once the batch is compute-bound). Every RECALIBRATE steps
@@ -108,15 +111,19 @@ class AdaptiveDepth:
         self.k_max, self.prior, self.smoothing = k_max, prior, smoothing
         self.costs: dict[int, StepCosts] = {}
         self.steps = 0
+        self._asked: list[int] = []  # the depths of the step being decided (rows in order)
 
     def _alpha(self, r: Request) -> float:
         return r.spec_alpha if r.spec_alpha is not None else self.prior
 
-    def shared_depth(self, alphas: list[float], c: float) -> int:
-        """The k in 0..k_max maximising the rows' expected tokens per unit of step time."""
+    def shared_depth(self, alphas: list[float], c: float, offers: list[float] | None = None) -> int:
+        """The k in 0..k_max maximising the rows' expected tokens per unit of step time
+        (`offers`: each row's share of steps its drafter proposes in; default always)."""
+        offers = offers or [1.0] * len(alphas)
         best, best_rate = 0, float(len(alphas))
         for k in range(1, self.k_max + 1):
-            rate = sum(expected_tokens(a, k) for a in alphas) / (1 + k * c)
+            gains = (o * (expected_tokens(a, k) - 1) for a, o in zip(alphas, offers, strict=True))
+            rate = (len(alphas) + sum(gains)) / (1 + k * c)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
@@ -130,7 +137,8 @@ class AdaptiveDepth:
             k = 0  # a plain step: measures what a step of this size costs right now
         else:
             k = self.shared_depth([self._alpha(r) for r in shared],
-                                  costs.per_token_s / costs.plain_s)
+                                  costs.per_token_s / costs.plain_s,
+                                  [1.0 if r.spec_offer is None else r.spec_offer for r in shared])
             if k == 0 and self.steps % PROBE == 0:
                 k = 1
         out = []
@@ -142,6 +150,7 @@ class AdaptiveDepth:
                 out.append(row_cap(r, mine))
             else:
                 out.append(row_cap(r, k))
+        self._asked = out
         return out
 
     def observe(
@@ -154,7 +163,11 @@ class AdaptiveDepth:
         width: int,
     ) -> None:
         s = self.smoothing
-        for r, d, a in zip(requests, drafted, accepted, strict=True):
+        asked = self._asked if len(self._asked) == len(requests) else [0] * len(requests)
+        for r, d, a, k in zip(requests, drafted, accepted, asked, strict=True):
+            if k:  # asked to draft: did its drafter propose anything?
+                got = 1.0 if d else 0.0
+                r.spec_offer = got if r.spec_offer is None else (1 - s) * r.spec_offer + s * got
             if d:
                 rate = a / d
                 r.spec_alpha = rate if r.spec_alpha is None else (1 - s) * r.spec_alpha + s * rate

@@ -174,6 +174,7 @@ class Request:
         self.grammar = grammar  # the row's parser state when its output is constrained
         self.finish_reason: str | None = None
         self.spec_alpha: float | None = None  # per-token draft acceptance estimate (adaptive depth)
+        self.spec_offer: float | None = None  # share of asked steps the drafter proposed in
         self.stats = RequestStats(prompt_tokens=len(prompt), arrival=time.perf_counter())
         self.events = EventChannel()
 
