@@ -185,3 +185,19 @@ def test_committed_reads_of_a_ring_are_the_window():
     assert seen == list(range(600 - WINDOW + 1, 600))
     with pytest.raises(ValueError, match="keeps only its last 100 positions"):
         ring.committed(None)
+
+
+def test_a_ring_refuses_a_mask_built_for_every_column():
+    """Past a wrap, a mask from an every-column cache is wider than the ring's keys: refused
+    by name, never read as if its columns were the ring's."""
+    ring, linear = ring_cache(), linear_cache()
+    for start in range(0, 400, 50):
+        keys, values = kv(1, 50, seed=start)
+        ring.update_and_fetch(keys, values)
+        linear.update_and_fetch(keys, values)
+    keys, values = kv(1, 1, seed=1)
+    q = mx.random.normal((1, H, 1, D), key=mx.random.key(2))
+    wrong = linear.make_mask(1)
+    k, v = ring.update_and_fetch(keys, values)
+    with pytest.raises(ValueError, match="key columns"):
+        ring.attend(q, k, v, scale=0.25, mask=wrong)

@@ -165,21 +165,19 @@ class RowKVCache:
         return out[0], out[1]
 
     def attend(
-        self,
-        queries,
-        keys,
-        values,
-        scale: float,
-        mask,
-        block: bool = False,
-        sinks=None,
+        self, queries, keys, values, scale: float, mask, block: bool = False, sinks=None,
         softcap: float | None = None,
     ) -> mx.array:
         if not isinstance(mask, mx.array):
             raise ValueError("RowKVCache.attend needs the array mask from make_mask")
-        if self.ring is not None:  # whatever cache the model made the mask from: ring columns
-            N = queries.shape[2]
-            mask = self._valid([e - N for e in self.ends], N, self.window)
+        # mlx-lm's sliding models build the sliding mask from a sliding layer's cache (here a
+        # ring: the ring's validity). A mask from an every-column cache is the same until a
+        # row wraps, and from then on wider than the ring's keys: refused, never misread.
+        if mask.shape[-1] != keys.shape[2]:
+            raise ValueError(
+                f"attention mask covers {mask.shape[-1]} key columns, the cache holds "
+                f"{keys.shape[2]}: build it with this layer's cache.make_mask"
+            )
         queries = self.codec.key.rotate(queries)
         if block:
             assert len(self.ends) == 1, "block attention is for one row's own prefill"
