@@ -4,6 +4,7 @@ a row's attention and tokens are the same alone, batched, after rewind, and spec
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -33,7 +34,8 @@ from mlx_tandem.kv.row_cache import RowKVCache
 
 from conftest import run_with_gaps
 
-CODECS = ("affine8:g32", "affine4:g32", "turbo-k8v4", "turbo-k4v4", "turbo-k3v2", "turbo-k2v3")
+CODECS = ("affine8:g32", "affine4:g32", "affine4:g32,rot", "turbo-k8v4", "turbo-k4v4",
+          "turbo-k3v2", "turbo-k2v3")
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,9 @@ class SpanScaleAffine(AffineCodec):
 
     def decode(self, parts: tuple[mx.array, ...], dtype: mx.Dtype) -> mx.array:
         return super().decode(parts[:3], dtype) * parts[3].astype(dtype)
+
+    def packed(self, parts: tuple[mx.array, ...]) -> None:
+        return None  # its codes are not plain affine ones
 
 
 def vectors(shape: tuple[int, ...], seed: int) -> mx.array:
@@ -112,7 +117,8 @@ def test_lloyd_max_matches_the_gaussian_codebook():
 
 @pytest.mark.parametrize("name,bound", [("turbo-k8v8", 1e-3), ("turbo-k4v4", 0.012),
                                         ("turbo-k3v3", 0.04), ("turbo-k2v2", 0.13),
-                                        ("affine4", 0.012), ("affine8", 1e-4)])
+                                        ("affine4", 0.012), ("affine8", 1e-4),
+                                        ("affine4,rot", 0.012)])
 def test_reconstruction_error_is_near_the_paper(name, bound):
     codec = parse_codec(name).for_layer(0, None, edge=False)
     x = vectors((1, 4, 64, 64), seed=7)
@@ -126,7 +132,9 @@ def test_bytes_per_token():
     assert parse_codec("fp").for_layer(0, None, False).bytes_per_token(1, 64, 64) == 512
 
 
-@pytest.mark.parametrize("bad", ["turbo-k5v4", "affine7", "affine4:g48", "fp8", "turbo-k8v4,x"])
+@pytest.mark.parametrize("bad", ["turbo-k5v4", "affine7", "affine4:g48", "fp8", "turbo-k8v4,x",
+                                 "turbo-k4v4,k5@1", "turbo-k4v4,k8@1,fp@1", "turbo-k4v4,k8@",
+                                 "affine4,k7@0"])
 def test_unknown_codecs_are_refused_before_any_state(bad):
     with pytest.raises(ValueError, match="kv codec"):
         RuntimeConfig.resolve(environ={}, kv_codec=bad)
@@ -169,7 +177,65 @@ def test_per_layer_plan(tiny_model):
     assert names[0] == names[-1] == "fp" and set(names[1:-1]) == {"affine8:g32,fp-edges"}
 
 
+def test_named_layers_get_their_own_codec(tiny_model):
+    """`,fp@L` keeps layer L in float; `,kB@L+M` gives layers L and M B-bit keys (values
+    keep the base bits); bytes per token follow."""
+    spec = parse_codec("turbo-k4v4,fp@0,k8@1+3")
+    assert spec.fp_at == (0,) and spec.key_bits_at == ((8, (1, 3)),)
+    assert spec.named_layers == (0, 1, 3)
+    runner = ModelRunner(tiny_model("llama", head_dim=32), kv_codec=spec)
+    codecs = [c.codec for c in runner.empty_rows().leaves()]
+    assert codecs[0].is_fp
+    assert [c.key.bits for c in codecs[1:4]] == [8, 4, 8]
+    assert {c.value.bits for c in codecs[1:4]} == {4}
+    size = [c.bytes_per_token(1, 32, 32) for c in codecs]
+    assert size[1] == size[3] > size[2] and size[0] == 2 * 32 * 4
+    affine = parse_codec("affine4:g32,k8@2").for_layer(2, None, False)
+    assert (affine.key.bits, affine.value.bits) == (8, 4)
+
+
+def test_a_named_layer_the_model_lacks_is_refused(tiny_model):
+    model = tiny_model("llama", head_dim=32)
+    layers = len(model.model.layers)
+    with pytest.raises(ValueError, match=f"names layers \\[{layers}\\]"):
+        ModelRunner(model, kv_codec=f"turbo-k4v4,k8@{layers}")
+
+
 # --- the cache and the engine under each codec ------------------------------------------
+@pytest.mark.parametrize("sinks", [False, True])
+def test_affine_codes_are_attended_without_decoding(sinks, monkeypatch):
+    """Affine codes go to `mx.quantized_matmul` as they are (centers added back, eq-scaled
+    queries): the attention equals attending over the decoded K/V, to rounding."""
+    import mlx_tandem.kv.attention as attention
+
+    inner = AffineCodec(4, 32)
+    stats = LayerStats(vectors((2, 1, 32), 5), vectors((2, 1, 32), 6),
+                       mx.abs(vectors((2, 1, 32), 7)) / 3 + 0.5)
+    codec = KVCodec("a", Centered.of(Scaled(inner, stats.key_scale), stats.key_mean),
+                    Centered.of(inner, stats.value_mean))
+    cache = RowKVCache(codec=codec)
+    cache.ends = [0, 0]
+    cache.update_and_fetch(vectors((2, 2, 300, 32), 1), vectors((2, 2, 300, 32), 2))
+    cache.set_ends([300, 170])
+    q, k, v = vectors((2, 4, 3, 32), 3), vectors((2, 2, 3, 32), 4), vectors((2, 2, 3, 32), 8)
+    mask = cache.make_mask(3)
+    keys, values = cache.update_and_fetch(k, v)
+    extra = {"sinks": mx.array([0.5, -1.0, 2.0, 0.0])} if sinks else {}
+    got = cache.attend(q, keys, values, scale=0.2, mask=mask, **extra)
+    calls = []
+    real = attention.Packed.scores
+    monkeypatch.setattr(attention.Packed, "scores", lambda self, q: calls.append(1) or real(self, q))
+    cache.attend(q, keys, values, scale=0.2, mask=mask, **extra)
+    assert calls, "the packed path did not run"
+    want = codec.value.unrotate(attention.invariant_attention(
+        codec.key.rotate(q), keys, values, 0.2, mask, **extra))
+    assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
+    no_center = dataclasses.replace(cache._packed(keys, values)[1], center=None)
+    wrong = attention.invariant_attention(codec.key.rotate(q), cache._packed(keys, values)[0],
+                                          no_center, 0.2, mask, **extra)
+    assert not mx.allclose(wrong, want, atol=1e-2).item()  # the center term matters
+
+
 @pytest.mark.parametrize("name", ["affine4:g32", "turbo-k3v4"])
 def test_a_row_attends_the_same_alone_batched_and_after_rewind(name):
     codec = parse_codec(name).for_layer(1, None, edge=False)
@@ -218,7 +284,8 @@ def _prompts(n: int, seed: int = 0):
     "arch,name",
     [("llama", "affine4:g32"), ("llama", "turbo-k8v4"), ("gemma3_text", "turbo-k3v4"),
      ("qwen3", "affine8:g32,fp-edges"), ("llama", "turbo-k3v4,center"),
-     ("gemma3_text", "turbo-k4v4,center,eq")],
+     ("gemma3_text", "turbo-k4v4,center,eq"), ("gemma3_text", "affine4:g32,rot,center,vcenter,eq"),
+     ("llama", "turbo-k4v4,k8@1")],
 )
 def test_speculative_equals_plain_and_batched_equals_alone(tiny_model, arch, name):
     model = tiny_model(arch, head_dim=32)
@@ -237,7 +304,7 @@ def test_speculative_equals_plain_and_batched_equals_alone(tiny_model, arch, nam
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["turbo-k8v4", "affine4:g64", "turbo-k4v4,center,eq"])
+@pytest.mark.parametrize("name", ["turbo-k8v4", "affine4:g64,rot,center,eq", "turbo-k4v4,center,eq"])
 def test_smollm2_speculative_and_batched_are_exact(real_model, name):
     model = real_model("smollm2-135m", "float32")
     cfg = RuntimeConfig.resolve(environ={}, prefill_chunk=64, kv_codec=name)
@@ -314,3 +381,19 @@ def test_scaling_keys_keeps_attention_and_fetch():
     assert not mx.allclose(caches[0].kparts[0][:, :, :3], k, atol=1e-3).item()  # stored k / s
     assert not span_append_mismatch(Scaled(parse_codec("turbo-k3v3").for_layer(
         0, None, False).key, scale), vectors((1, 2, 5, 32), 9))
+
+
+def test_rot_quantizes_the_rotated_vector():
+    """`,rot`: the codes are those of the rotated vector; decoding gives it back in the
+    rotated space (attention's), and fetch un-rotates to the model's."""
+    x = vectors((1, 2, 8, 64), seed=11)
+    codec = parse_codec("affine4,rot").for_layer(3, None, False).key
+    plain = parse_codec("affine4").for_layer(3, None, False).key
+    parts = codec.encode(x)
+    assert mx.array_equal(parts[0], plain.encode(codec.rotate(x))[0]).item()
+    back = codec.unrotate(codec.decode(parts, mx.float32))
+    assert (mx.sum((back - x) ** 2) / mx.sum(x * x)).item() < 0.012
+    assert not mx.array_equal(parts[0], plain.encode(x)[0]).item()
+    with pytest.raises(ValueError, match="turbo always rotates"):
+        parse_codec("turbo-k4v4,rot")
+    assert "power of two" in codec.check(48)

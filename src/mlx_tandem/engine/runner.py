@@ -68,6 +68,12 @@ class ModelRunner:
         kinds = make_prompt_cache(self.model.model)
         attention = [i for i, c in enumerate(probe.layers) if _first_kv(c) is not None]
         declared = getattr(self.model, "kv_codecs", None)
+        stray = [i for i in spec.named_layers if i not in attention]
+        if stray:
+            raise ValueError(
+                f"kv codec {spec.name!r} names layers {stray}, which are not attention layers "
+                f"of this model (those are {attention[0]}..{attention[-1]}: {attention})"
+            )
         for i in attention:
             cache = _first_kv(probe.layers[i])
             assert cache is not None and cache.kparts and cache.vparts

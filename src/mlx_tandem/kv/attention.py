@@ -13,6 +13,9 @@ such dependence:
   * `p v` is summed over fixed KEY_CHUNK-wide key chunks, each a matmul of one
     shape, added in order (a BLAS splits a long inner dimension at points that
     depend on its total length; trailing masked chunks add exact zeros).
+Keys or values may come `Packed` (MLX affine codes, kv/codec.py's affine codecs):
+the two matmuls then run as `mx.quantized_matmul` over the codes, in the same
+groups and key chunks, instead of decoding every stored column each step.
 `stable_group_rows` probes, once per head shape, which group sizes are exact
 here and picks one. `block_attention` is the other arithmetic: mlx's fused
 attention over one row's own prefill chunk, whose shape is fixed by that row's
@@ -43,10 +46,63 @@ class BlockMode:
     recurrence: bool = False  # rows prefilled together: recurrent layers in block form
 
 
+@dataclass(frozen=True, eq=False)
+class Packed:
+    """Keys or values (B, Hkv, W, D) kept as MLX affine codes, multiplied without decoding
+    them first; `center` (Hkv, 1, D), if given, is added back to every vector."""
+
+    w: mx.array  # (B, Hkv, W, D * bits / 32) uint32
+    scales: mx.array  # (B, Hkv, W, D / group)
+    biases: mx.array
+    group: int
+    bits: int
+    center: mx.array | None = None
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        B, H, W, packed = self.w.shape
+        return B, H, W, packed * 32 // self.bits
+
+    def padded(self, extra: int) -> Packed:
+        """`extra` more columns of zero codes (they decode to zero vectors, masked anyway)."""
+        grow = [mx.zeros((*a.shape[:2], extra, a.shape[3]), a.dtype)
+                for a in (self.w, self.scales, self.biases)]
+        w, s, b = (mx.concatenate([a, z], axis=2)
+                   for a, z in zip((self.w, self.scales, self.biases), grow, strict=True))
+        return Packed(w, s, b, self.group, self.bits, self.center)
+
+    def _qmm(self, x: mx.array, parts: tuple[mx.array, ...], transpose: bool) -> mx.array:
+        return mx.quantized_matmul(x, *parts, transpose=transpose, group_size=self.group,
+                                   bits=self.bits)
+
+    def scores(self, q: mx.array) -> mx.array:
+        """q (B, Hkv, G, rows, D) -> q k^T (B, Hkv, G, rows, W)."""
+        out = self._qmm(q, tuple(a[:, :, None] for a in (self.w, self.scales, self.biases)),
+                        True)
+        if self.center is not None:
+            out = out + q @ self.center[None, :, None].swapaxes(-1, -2)
+        return out
+
+    def weighted(self, probs: mx.array) -> mx.array:
+        """probs (B, Hkv, G, n, rows, K) over n key chunks of K -> per chunk p v
+        (B, Hkv, G, n, rows, D); the center is not added (see `center_term`)."""
+        B, H, _, n, _, K = probs.shape
+        parts = tuple(a.reshape(B, H, 1, n, K, a.shape[-1])
+                      for a in (self.w, self.scales, self.biases))
+        return self._qmm(probs, parts, False)
+
+    def center_term(self, probs: mx.array) -> mx.array | None:
+        """sum_w p_w * center (B, Hkv, G, rows, D), or None without a center."""
+        if self.center is None:
+            return None
+        mass = mx.sum(mx.sum(probs, axis=-1), axis=3)  # (B, Hkv, G, rows)
+        return mass[..., None] * self.center[None, :, None]
+
+
 def invariant_attention(
     queries: mx.array,
-    keys: mx.array,
-    values: mx.array,
+    keys: mx.array | Packed,
+    values: mx.array | Packed,
     scale: float,
     valid: mx.array,
     group_rows: int | None = None,
@@ -65,8 +121,11 @@ def invariant_attention(
         group_rows = stable_group_rows(D, H, Hkv, str(queries.dtype))
     extra = -keys.shape[2] % KEY_CHUNK
     if extra:
-        keys = mx.concatenate([keys, mx.zeros((B, Hkv, extra, D), keys.dtype)], axis=2)
-        values = mx.concatenate([values, mx.zeros((B, Hkv, extra, Dv), values.dtype)], axis=2)
+        keys, values = (
+            x.padded(extra) if isinstance(x, Packed)
+            else mx.concatenate([x, mx.zeros((B, Hkv, extra, x.shape[3]), x.dtype)], axis=2)
+            for x in (keys, values)
+        )
         valid = mx.concatenate([valid, mx.zeros((*valid.shape[:3], extra), mx.bool_)], axis=3)
     W, n = keys.shape[2], keys.shape[2] // KEY_CHUNK
     R = rep * L
@@ -79,8 +138,11 @@ def invariant_attention(
         first_key = mx.broadcast_to(mx.arange(W) == 0, (B, 1, pad, W))
         ok = mx.concatenate([ok, first_key], axis=2)
     q = q.reshape(B, Hkv, G, group_rows, D)
-    kt = mx.broadcast_to(keys.swapaxes(-1, -2)[:, :, None], (B, Hkv, G, D, W))
-    scores = (q @ kt).reshape(B, Hkv, G * group_rows, W)
+    if isinstance(keys, Packed):
+        scores = keys.scores(q).reshape(B, Hkv, G * group_rows, W)
+    else:
+        kt = mx.broadcast_to(keys.swapaxes(-1, -2)[:, :, None], (B, Hkv, G, D, W))
+        scores = (q @ kt).reshape(B, Hkv, G * group_rows, W)
     if softcap:
         scores = mx.tanh(scores / softcap) * softcap
     scores = mx.where(ok, scores, mx.array(-mx.inf, scores.dtype))
@@ -95,11 +157,16 @@ def invariant_attention(
             B, Hkv, G, group_rows, n, KEY_CHUNK
         )
     probs = probs.transpose(0, 1, 2, 4, 3, 5)  # (B, Hkv, G, n, group_rows, KEY_CHUNK)
-    v = mx.broadcast_to(values.reshape(B, Hkv, 1, n, KEY_CHUNK, Dv), (B, Hkv, G, n, KEY_CHUNK, Dv))
-    parts = probs @ v  # (B, Hkv, G, n, group_rows, Dv)
-    out = parts[:, :, :, 0]
+    if isinstance(values, Packed):
+        parts = values.weighted(probs)
+    else:
+        v = values.reshape(B, Hkv, 1, n, KEY_CHUNK, Dv)
+        parts = probs @ mx.broadcast_to(v, (B, Hkv, G, n, KEY_CHUNK, Dv))
+    out = parts[:, :, :, 0]  # parts: (B, Hkv, G, n, group_rows, Dv)
     for c in range(1, n):
         out = out + parts[:, :, :, c]
+    if isinstance(values, Packed) and (term := values.center_term(probs)) is not None:
+        out = out + term
     out = out.reshape(B, Hkv, G * group_rows, Dv)[:, :, :R]
     return out.reshape(B, H, L, Dv)
 

@@ -21,6 +21,7 @@ runner calibrates per layer; engine exactness under `turbo-k3v4,center`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +89,9 @@ class Wrapped:
     def unrotate(self, x: mx.array) -> mx.array:
         return self.inner.unrotate(x)
 
+    def packed(self, parts: tuple[mx.array, ...]) -> Any:
+        return self.inner.packed(parts)
+
     def bytes_per_vector(self, dim: int) -> float:
         return self.inner.bytes_per_vector(dim)
 
@@ -113,6 +117,13 @@ class Centered(Wrapped):
 
     def decode(self, parts: tuple[mx.array, ...], dtype: mx.Dtype) -> mx.array:
         return self.inner.decode(parts, dtype) + self.embedded.astype(dtype)
+
+    def packed(self, parts: tuple[mx.array, ...]) -> Any:
+        inner = self.inner.packed(parts)
+        if inner is None:
+            return None
+        center = self.embedded if inner.center is None else inner.center + self.embedded
+        return dataclasses.replace(inner, center=center)
 
 
 @dataclass(frozen=True, eq=False)

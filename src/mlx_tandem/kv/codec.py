@@ -7,7 +7,10 @@ decoded vectors (dequantize-then-attend). Three kinds:
 
   * `fp`: the vector itself (today's arithmetic, bit for bit);
   * `affineB[:gG]`: MLX affine quantization (`mx.quantize`, B bits, groups of G
-    along head_dim, float16 scales and biases);
+    along head_dim, float16 scales and biases); `,rot` quantizes the vector after
+    turbo's rotation instead (attention then runs in the rotated space). For B in
+    2, 4, 8 attention multiplies the codes as they are (`mx.quantized_matmul`,
+    kv/attention.Packed) instead of decoding every column each step;
   * `turbo-kKvV`: TurboQuant (SPEC_REFERENCE §2): a fixed random-sign Hadamard
     rotation per layer, a float16 norm per vector and Lloyd-Max codebook indices
     of the rotated direction (K / V bits in {2, 3, 4, 8}), packed into uint8.
@@ -25,6 +28,9 @@ attention layers in float, `,fp-sliding` keeps sliding-window layers in float;
 `,center` (`,vcenter`) stores each key (value) minus its layer's per-head mean and
 `,eq` divides keys by per-channel scales (queries multiplied by them), all fixed model
 constants measured once by the runner on `CALIBRATION` (kv/calibrated.py).
+Named layers can differ: `,fp@0+17` keeps layers 0 and 17 in float, `,k8@3+5` stores
+layers 3 and 5's keys at 8 bits (the kind's bit widths; values keep theirs) — where a
+model's error concentrates, a few layers' keys buy more than more bits everywhere.
 `parse_codec` validates a name before any engine state exists; `check_dims`
 validates it against a model's head dims (and a family's declared kinds).
 
@@ -43,6 +49,7 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
+from mlx_tandem.kv.attention import Packed
 from mlx_tandem.kv.calibrated import Centered, LayerStats, Scaled
 
 TURBO_BITS = (2, 3, 4, 8)
@@ -51,7 +58,7 @@ AFFINE_GROUPS = (32, 64, 128)
 KINDS = ("fp", "affine", "turbo")
 NAMES_HELP = (
     "fp, affine8, affine4[:g32|g64|g128], turbo-kKvV (K,V in 2,3,4,8)"
-    "[,fp-edges][,fp-sliding][,center][,vcenter][,eq]"
+    "[,rot (affine)][,fp-edges][,fp-sliding][,center][,vcenter][,eq][,fp@L+L..][,kB@L+L..]"
 )
 
 
@@ -77,6 +84,11 @@ class VectorCodec(Protocol):
 
     def unrotate(self, x: mx.array) -> mx.array:
         """Attention space back to the model's (fetch; the output, for values)."""
+        ...
+
+    def packed(self, parts: tuple[mx.array, ...]) -> Packed | None:
+        """The stored parts as MLX affine codes that attention multiplies without decoding
+        (what `decode` would return, to rounding); None where the codec has none."""
         ...
 
     def bytes_per_vector(self, dim: int) -> float: ...
@@ -109,10 +121,44 @@ class FpCodec(Unrotated):
     def decode(self, parts: tuple[mx.array, ...], dtype: mx.Dtype) -> mx.array:
         return parts[0]
 
+    def packed(self, parts: tuple[mx.array, ...]) -> Packed | None:
+        return None
+
     def bytes_per_vector(self, dim: int, itemsize: int = 4) -> float:
         return dim * itemsize
 
     def check(self, dim: int) -> str | None:
+        return None
+
+
+class Rotated:
+    """Codecs that attend in a rotated space: a fixed random-sign Hadamard rotation (seeded
+    per layer), orthogonal, so q·k and sum p·v are unchanged; queries are rotated once and
+    the output un-rotated once."""
+
+    seed: int
+
+    def _signs(self, dim: int) -> mx.array:
+        return mx.array(random_signs(self.seed, dim))
+
+    def rotate(self, x: mx.array) -> mx.array:
+        d = x.shape[-1]
+        y = mx.hadamard_transform(x * self._signs(d), scale=1 / math.sqrt(d))  # float32
+        return y if y.dtype == x.dtype else y.astype(x.dtype)
+
+    def embed(self, x: mx.array) -> mx.array:
+        return self.rotate(x)
+
+    def unrotate(self, x: mx.array) -> mx.array:
+        d = x.shape[-1]
+        x32 = x if x.dtype == mx.float32 else x.astype(mx.float32)
+        y = mx.hadamard_transform(x32, scale=1 / math.sqrt(d)) * self._signs(d)
+        return y if y.dtype == x.dtype else y.astype(x.dtype)
+
+    @staticmethod
+    def check_rotation(dim: int) -> str | None:
+        if dim < 8 or dim & (dim - 1):
+            return f"head dim {dim} is not a power of two >= 8 (the Hadamard rotation)"
         return None
 
 
@@ -137,6 +183,12 @@ class AffineCodec(Unrotated):
         out = q * s.astype(mx.float32)[..., None] + b.astype(mx.float32)[..., None]
         return out.reshape(*w.shape[:-1], -1).astype(dtype)
 
+    def packed(self, parts: tuple[mx.array, ...]) -> Packed | None:
+        if 32 % self.bits:  # codes that straddle words: decoded instead
+            return None
+        w, s, b = parts
+        return Packed(w, s, b, self.group, self.bits)
+
     def bytes_per_vector(self, dim: int) -> float:
         return dim * self.bits / 8 + dim // self.group * 4
 
@@ -144,6 +196,21 @@ class AffineCodec(Unrotated):
         if dim % self.group or (dim * self.bits) % 32:
             return f"head dim {dim} is not a multiple of the group size {self.group}"
         return None
+
+
+@dataclass(frozen=True)
+class RotatedAffineCodec(Rotated, AffineCodec):
+    """`affineB,rot`: affine codes of the rotated vector (QuaRot-style): the rotation spreads
+    a few large channels over all of them, so the group's range fits the bulk; attention
+    multiplies the codes as they are, in the rotated space."""
+
+    seed: int = 0
+
+    def encode(self, x: mx.array) -> tuple[mx.array, ...]:
+        return super().encode(self.rotate(x if x.dtype == mx.float32 else x.astype(mx.float32)))
+
+    def check(self, dim: int) -> str | None:
+        return self.check_rotation(dim) or super().check(dim)
 
 
 @functools.lru_cache(maxsize=64)
@@ -256,7 +323,7 @@ def nearest_level(y: mx.array, bounds: np.ndarray) -> mx.array:
 
 
 @dataclass(frozen=True)
-class TurboCodec:
+class TurboCodec(Rotated):
     """TurboQuant (MSE variant): norm in float16, rotated direction by a Lloyd-Max codebook.
 
     The stored norm is ||x|| / ||decoded unit direction||, so a decoded vector keeps
@@ -267,23 +334,6 @@ class TurboCodec:
     seed: int
     kind = "turbo"
     span_append_safe = True
-
-    def _signs(self, dim: int) -> mx.array:
-        return mx.array(random_signs(self.seed, dim))
-
-    def rotate(self, x: mx.array) -> mx.array:
-        d = x.shape[-1]
-        y = mx.hadamard_transform(x * self._signs(d), scale=1 / math.sqrt(d))  # float32
-        return y if y.dtype == x.dtype else y.astype(x.dtype)
-
-    def embed(self, x: mx.array) -> mx.array:
-        return self.rotate(x)
-
-    def unrotate(self, x: mx.array) -> mx.array:
-        d = x.shape[-1]
-        x32 = x if x.dtype == mx.float32 else x.astype(mx.float32)
-        y = mx.hadamard_transform(x32, scale=1 / math.sqrt(d)) * self._signs(d)
-        return y if y.dtype == x.dtype else y.astype(x.dtype)
 
     def encode(self, x: mx.array) -> tuple[mx.array, ...]:
         _, levels, bounds = codebook(x.shape[-1], self.bits)
@@ -307,13 +357,14 @@ class TurboCodec:
             out = _poly_levels(idx, self.bits, coeffs) * scale
         return out if out.dtype == dtype else out.astype(dtype)
 
+    def packed(self, parts: tuple[mx.array, ...]) -> Packed | None:
+        return None  # codebook levels are not affine in the index
+
     def bytes_per_vector(self, dim: int) -> float:
         return dim * self.bits / 8 + 2
 
     def check(self, dim: int) -> str | None:
-        if dim < 8 or dim & (dim - 1):
-            return f"head dim {dim} is not a power of two >= 8 (the Hadamard rotation)"
-        return None
+        return self.check_rotation(dim)
 
 
 @dataclass(frozen=True)
@@ -353,6 +404,14 @@ class CodecSpec:
     center: bool = False
     vcenter: bool = False
     eq: bool = False
+    rot: bool = False  # affine: codes of the rotated vector
+    fp_at: tuple[int, ...] = ()  # layers kept in float
+    key_bits_at: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (bits, layers): wider keys
+
+    @property
+    def named_layers(self) -> tuple[int, ...]:
+        """Every layer index the name mentions (checked against the model's layers)."""
+        return tuple(sorted({*self.fp_at, *(i for _, ls in self.key_bits_at for i in ls)}))
 
     @property
     def calibrated(self) -> bool:
@@ -364,15 +423,20 @@ class CodecSpec:
         """Cache layer `layer`'s codec; window: a sliding layer's; edge: the first or last
         attention layer; stats: the layer's calibration (with `,center` / `,eq`).
         The turbo rotation's seed is fixed per layer."""
-        if self.kind == "fp" or (self.fp_edges and edge) or (self.fp_sliding and window):
+        if (self.kind == "fp" or (self.fp_edges and edge) or (self.fp_sliding and window)
+                or layer in self.fp_at):
             return FP
+        key_bits = next((b for b, ls in self.key_bits_at if layer in ls), self.key_bits)
         key: VectorCodec
         value: VectorCodec
-        if self.kind == "affine":
-            key = value = AffineCodec(self.key_bits, self.group)
+        seed = 0x7A11 + 2 * layer
+        if self.kind == "affine" and self.rot:
+            key = RotatedAffineCodec(key_bits, self.group, seed)
+            value = RotatedAffineCodec(self.value_bits, self.group, seed + 1)
+        elif self.kind == "affine":
+            key, value = AffineCodec(key_bits, self.group), AffineCodec(self.value_bits, self.group)
         else:
-            seed = 0x7A11 + 2 * layer
-            key, value = TurboCodec(self.key_bits, seed), TurboCodec(self.value_bits, seed + 1)
+            key, value = TurboCodec(key_bits, seed), TurboCodec(self.value_bits, seed + 1)
         if stats is not None and self.eq:
             key = Scaled(key, stats.key_scale)
         if stats is not None and self.center:
@@ -383,13 +447,38 @@ class CodecSpec:
 
 
 _BASE = re.compile(r"^(?:(fp)|affine(\d+)(?::g(\d+))?|turbo-k(\d+)v(\d+))$")
+_FLAGS = ("fp-edges", "fp-sliding", "center", "vcenter", "eq", "rot")
+_AT = re.compile(r"^(fp|k(\d+))@(\d+(?:\+\d+)*)$")
+
+
+def _layer_options(text: str, options: list[str], bits_ok: tuple[int, ...]) -> dict:
+    """`fp@L+L` / `kB@L+L` options -> CodecSpec fields; ValueError naming a bad one."""
+    fp_at: list[int] = []
+    key_bits_at: dict[int, list[int]] = {}
+    for o in options:
+        m = _AT.match(o)
+        if m is None:
+            continue
+        layers = [int(x) for x in m.group(3).split("+")]
+        if m.group(2) is None:
+            fp_at += layers
+        elif int(m.group(2)) not in bits_ok:
+            raise ValueError(f"kv codec {text!r}: {o!r} asks for {m.group(2)}-bit keys; "
+                             f"this kind has {bits_ok}")
+        else:
+            key_bits_at.setdefault(int(m.group(2)), []).extend(layers)
+    named = fp_at + [i for ls in key_bits_at.values() for i in ls]
+    if len(named) != len(set(named)):
+        raise ValueError(f"kv codec {text!r}: a layer is named twice")
+    return {"fp_at": tuple(sorted(fp_at)),
+            "key_bits_at": tuple((b, tuple(sorted(ls))) for b, ls in sorted(key_bits_at.items()))}
 
 
 def parse_codec(text: str) -> CodecSpec:
     """A codec name -> CodecSpec; ValueError naming the accepted names otherwise."""
     head, *options = [t.strip() for t in str(text).strip().lower().split(",")]
     m = _BASE.match(head)
-    bad = [o for o in options if o not in ("fp-edges", "fp-sliding", "center", "vcenter", "eq")]
+    bad = [o for o in options if o not in _FLAGS and not _AT.match(o)]
     if m is None or bad:
         raise ValueError(f"unknown kv codec {text!r}; known: {NAMES_HELP}")
     flags = {
@@ -397,7 +486,10 @@ def parse_codec(text: str) -> CodecSpec:
         "center": "center" in options and not m.group(1),
         "vcenter": "vcenter" in options and not m.group(1),
         "eq": "eq" in options and not m.group(1),
+        "rot": "rot" in options and bool(m.group(2)),
     }
+    if "rot" in options and m.group(4):
+        raise ValueError(f"kv codec {text!r}: ',rot' is for affine codecs (turbo always rotates)")
     if m.group(1):
         return CodecSpec("fp", "fp")
     if m.group(2):
@@ -408,11 +500,13 @@ def parse_codec(text: str) -> CodecSpec:
                 f"size one of {AFFINE_GROUPS}"
             )
         name = ",".join([f"affine{bits}:g{group}", *options])
-        return CodecSpec(name, "affine", bits, bits, group, **flags)
+        layers = _layer_options(text, options, AFFINE_BITS)
+        return CodecSpec(name, "affine", bits, bits, group, **flags, **layers)
     k, v = int(m.group(4)), int(m.group(5))
     if k not in TURBO_BITS or v not in TURBO_BITS:
         raise ValueError(f"kv codec {text!r}: turbo key/value bits must be in {TURBO_BITS}")
-    return CodecSpec(",".join([f"turbo-k{k}v{v}", *options]), "turbo", k, v, **flags)
+    layers = _layer_options(text, options, TURBO_BITS)
+    return CodecSpec(",".join([f"turbo-k{k}v{v}", *options]), "turbo", k, v, **flags, **layers)
 
 
 def codec_from_flags(codec: str | None, bits: int | None, group: int | None) -> str | None:

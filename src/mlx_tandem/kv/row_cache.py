@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlx_tandem.kv.attention import KEY_CHUNK, block_attention, invariant_attention
+from mlx_tandem.kv.attention import KEY_CHUNK, Packed, block_attention, invariant_attention
 from mlx_tandem.kv.codec import FP, KVCodec
 
 PAGE = 256  # capacity grows in whole pages
@@ -182,11 +182,25 @@ class RowKVCache:
         if block:
             assert len(self.ends) == 1, "block attention is for one row's own prefill"
             out = block_attention(queries, keys, values, scale, mask, sinks, softcap)
-        else:
+        else:  # affine codes are multiplied as they are (the decoded arrays stay unevaluated)
+            keys, values = self._packed(keys, values)
             out = invariant_attention(
                 queries, keys, values, scale, mask, sinks=sinks, softcap=softcap
             )
         return self.codec.value.unrotate(out)
+
+    def _packed(self, keys: mx.array, values: mx.array) -> tuple[mx.array | Packed, ...]:
+        """Keys and values for the invariant attention: the stored codes of the same columns
+        where the codec has affine ones, else the decoded arrays given."""
+        if self.codec.is_fp or self.kparts is None or self.vparts is None:
+            return keys, values
+        width = keys.shape[2]
+        out: list[mx.array | Packed] = []
+        for c, parts, decoded in ((self.codec.key, self.kparts, keys),
+                                  (self.codec.value, self.vparts, values)):
+            packed = c.packed(tuple(p[:, :, :width] for p in parts))
+            out.append(decoded if packed is None else packed)
+        return out[0], out[1]
 
     @property
     def state(self) -> list[mx.array]:
