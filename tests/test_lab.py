@@ -112,13 +112,15 @@ def test_tandem_distill_writes_a_folder_the_drafter_loads(tiny, tmp_path, monkey
     folder, model = tiny
     monkeypatch.setattr(distill_module, "mtbench_first_turns", lambda cache: [])
     rng = random.Random(1)
-    fake = [" ".join(rng.choice(["sun", "moon", "star"]) for _ in range(5)) for _ in range(60)]
-    monkeypatch.setattr(distill_module, "sharegpt_prompts", lambda exclude: fake)
+    fake = [" ".join(rng.choice(["sun", "moon", "star"]) for _ in range(5)) + f" {i}"
+            for i in range(60)]
+    reply = "the sun and the moon and the stars, again and again"
+    monkeypatch.setattr(distill_module, "sharegpt_pairs", lambda exclude: [(p, reply) for p in fake])
     out = tmp_path / "assistant"
     code = main(["distill", "--target", str(folder), "--out", str(out), "--minutes", "0.05",
                  "--data-minutes", "1", "--prompts", "40", "--max-tokens", "12", "--layers", "1",
                  "--width", "32", "--intermediate", "64", "--vocab", "64",
-                 "--batch-tokens", "256", "--seed", "5"])
+                 "--batch-tokens", "256", "--seed", "5", "--dataset-replies", "8"])
     assert code == 0
     assert "held-out acceptance" in capsys.readouterr().out
     assert is_assistant_folder(out)
@@ -127,6 +129,9 @@ def test_tandem_distill_writes_a_folder_the_drafter_loads(tiny, tmp_path, monkey
     assert config["draft_vocab_size"] == 64 and config["layer_types"] == ["full_attention"]
     assert load_assistant(out).draft_vocab.shape == (64,)
     assert len(read_corpus(out / "corpus.jsonl")) == 40
+    # dataset replies: other prompts than the corpus's, teacher-forced, training only
+    assert config["extra"]["dataset_replies"] == 8
+    assert config["extra"]["dataset_reply_tokens"] == 8 * 12
     source = build_drafter(str(out), model, RuntimeConfig.resolve(environ={}))
     assert source.name == "assistant" and not source.samples
     assert build_drafter(f"{out}:sample", model, RuntimeConfig.resolve(environ={})).samples

