@@ -2,9 +2,10 @@
 rows with deterministic drafts; stochastic rows keep a row-local depth."""
 
 import functools
+import itertools
 
 from mlx_tandem import SamplingParams
-from mlx_tandem.engine.depth import PROBE, RECALIBRATE, AdaptiveDepth, size_bucket
+from mlx_tandem.engine.depth import PROBE, PROBE_MAX, RECALIBRATE, AdaptiveDepth, size_bucket
 from mlx_tandem.engine.request import new_request
 from mlx_tandem.models.loader import load_folder
 from mlx_tandem.models.tiny import make_tiny_model
@@ -84,6 +85,21 @@ def test_when_drafting_is_off_all_rows_probe_together():
     assert widths <= {0, 1}
     assert all(len(set(d)) == 1 for d in seen)  # never a ragged probe
     assert sum(max(d) for d in seen) <= 2  # probes, not drafting
+
+
+def test_failed_probes_back_off_and_drafting_resets_the_interval():
+    policy = AdaptiveDepth(4)
+    sixteen = rows(16, alpha=0.05)
+    calibrate(policy, sixteen, plain_s=0.170, per_token_s=0.170)
+    probes = [step for step in range(1, 1200) if max(policy.depths(sixteen))]
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
+    assert gaps[0] <= 2 * PROBE and max(gaps) <= PROBE_MAX + 2  # recalibrations interleave
+    assert gaps[-1] > 4 * PROBE  # backed off
+    assert len(probes) < 1200 // PROBE // 3
+    for r in sixteen:  # the rows start to accept: drafting turns on, probing resets
+        r.spec_alpha = 0.95
+    calibrate(policy, sixteen, plain_s=0.170, per_token_s=0.005)
+    assert max(policy.depths(sixteen)) > 0 and policy.probe_every == PROBE
 
 
 def test_stochastic_rows_ignore_the_engines_measurements():

@@ -19,7 +19,10 @@ bucket B (vLLM's per-batch-size K: a wider verify costs little at B = 1 and
 almost its full width once the batch is compute-bound). Every RECALIBRATE steps
 (and the first time a bucket is seen) all rows take a plain step, which measures
 that bucket's plain step now; when drafting is off every row probes depth 1
-together every PROBE steps, so estimates recover when drafting would pay again.
+together, so estimates recover when drafting would pay again — first PROBE steps
+apart, the interval doubling (up to PROBE_MAX) after each probe that did not turn
+drafting on, back to PROBE once it does: at a large batch a probe costs nearly a
+whole extra step, and chat that never drafts should not keep paying for it.
 
 Rows whose drafts are stochastic (a drafter sampling a sampled row) keep a
 row-local depth — their own acceptance and a fixed cost ratio, never the
@@ -37,6 +40,7 @@ from typing import Protocol
 from mlx_tandem.engine.request import Request
 
 PROBE = 16
+PROBE_MAX = 128
 RECALIBRATE = 32
 ROW_LOCAL_COST = 0.1  # cost of one drafted token relative to a plain step, when not measured
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
@@ -111,6 +115,8 @@ class AdaptiveDepth:
         self.k_max, self.prior, self.smoothing = k_max, prior, smoothing
         self.costs: dict[int, StepCosts] = {}
         self.steps = 0
+        self.probe_every = PROBE  # steps between probes while drafting is off
+        self._next_probe = PROBE
         self._asked: list[int] = []  # the depths of the step being decided (rows in order)
 
     def _alpha(self, r: Request) -> float:
@@ -139,8 +145,7 @@ class AdaptiveDepth:
             k = self.shared_depth([self._alpha(r) for r in shared],
                                   costs.per_token_s / costs.plain_s,
                                   [1.0 if r.spec_offer is None else r.spec_offer for r in shared])
-            if k == 0 and self.steps % PROBE == 0:
-                k = 1
+            k = self._probe(k)
         out = []
         for r, own in zip(requests, local, strict=True):
             if own:
@@ -152,6 +157,17 @@ class AdaptiveDepth:
                 out.append(row_cap(r, k))
         self._asked = out
         return out
+
+    def _probe(self, k: int) -> int:
+        """k, or 1 when drafting is off and a probe is due (backing off while probes fail)."""
+        if k > 0:
+            self.probe_every, self._next_probe = PROBE, self.steps + PROBE
+            return k
+        if self.steps < self._next_probe:
+            return 0
+        self._next_probe = self.steps + self.probe_every
+        self.probe_every = min(PROBE_MAX, 2 * self.probe_every)
+        return 1
 
     def observe(
         self,
