@@ -21,16 +21,12 @@ from mlx_tandem.kv.calibrated import Centered, LayerStats, Scaled
 from mlx_tandem.kv.codec import (
     AffineCodec,
     KVCodec,
-    _poly_levels,
-    codebook,
     codec_from_flags,
-    lloyd_max,
-    pack_indices,
     parse_codec,
     span_append_mismatch,
-    unpack_indices,
 )
 from mlx_tandem.kv.row_cache import RowKVCache
+from mlx_tandem.kv.turbo import _poly_levels, codebook, lloyd_max, pack_indices, unpack_indices
 
 from conftest import run_with_gaps
 
