@@ -65,7 +65,8 @@ def prompts_of(target, n, seed):
 
 def test_training_beats_the_untrained_start(pair):
     _, _, summary = pair
-    assert summary["held_out_alpha"][0] > summary["untrained_alpha"][0] + 0.3
+    assert summary["start_step"] == 0
+    assert summary["held_out_alpha"][0] > summary["start_alpha"][0] + 0.3
 
 
 @pytest.mark.parametrize("k", [1, 3, 6])

@@ -167,6 +167,7 @@ def distill(
     trainer.full_vocab = coverage < FULL_VOCAB_BELOW
     if trainer.load_checkpoint():
         say(f"resuming at step {trainer.step} ({trainer.elapsed / 60:.1f} min done)")
+    start_step = trainer.step
     held_batches = [(b, trainer.features(b)) for b in batches(held, opts.train, random.Random(1))]
     start_alpha = acceptance(model, target, trainer.donors, held_batches, opts.train.depth)
     alpha = trainer.run(train, held_batches, report)
@@ -185,7 +186,8 @@ def distill(
         "minutes": trainer.elapsed / 60,
         "held_out_alpha": alpha,
         "held_out_tokens_per_forward": expected_tokens(alpha),
-        "untrained_alpha": start_alpha,
+        "start_step": start_step,  # > 0: this run resumed a checkpoint
+        "start_alpha": start_alpha,  # held-out acceptance when this run started
         "options": {k: v for k, v in asdict(opts).items() if k != "command"},
     }
     model.config.extra = summary
