@@ -102,6 +102,17 @@ def test_failed_probes_back_off_and_drafting_resets_the_interval():
     assert max(policy.depths(sixteen)) > 0 and policy.probe_every == PROBE
 
 
+def test_drafting_cost_starts_from_a_measurement_not_zero():
+    policy = AdaptiveDepth(4)
+    many = rows(32, alpha=0.6)
+    policy.observe(many, [0] * 32, [0] * 32, 0.0, 0.3, 1)  # the bucket's plain step
+    policy.steps = 1
+    assert policy.depths(many) == [1] * 32  # unmeasured: one token, not k_max on a free guess
+    policy.observe(many, [1] * 32, [0] * 32, 0.01, 0.55, 2)  # a drafted token costs ~0.85
+    assert abs(policy.costs[32].per_token_s - 0.26) < 1e-9
+    assert policy.depths(many) == [0] * 32
+
+
 def test_stochastic_rows_ignore_the_engines_measurements():
     policy = AdaptiveDepth(4)
     sampled = rows(4, alpha=0.9, temperature=0.8)

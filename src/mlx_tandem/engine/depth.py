@@ -9,7 +9,8 @@ whose drafts are deterministic share one depth k per step, chosen to maximise
     sum over rows of E_i(k) / cost(k),   E_i(k) = 1 + o_i * ((1 - a_i^(k+1)) / (1 - a_i) - 1),
     cost(k) = 1 + k * c_B,
 
-against k = 0 (plain decoding: every row emits one token at cost 1). a_i is the
+against k = 0 (plain decoding: every row emits one token at cost 1). A bucket's first
+drafted step drafts one token, so c_B starts from a measurement, not from zero. a_i is the
 row's acceptance estimate and o_i the share of steps it was asked to draft in which
 its drafter proposed anything (prompt lookup finds no match on most chat rows: a row
 that proposes nothing emits one token, and its acceptance is never measured), both
@@ -103,7 +104,7 @@ class StepCosts:
 
     def __init__(self) -> None:
         self.plain_s: float | None = None  # a verify with no drafts
-        self.per_token_s = 0.0  # extra seconds per drafted token (draft + verify)
+        self.per_token_s: float | None = None  # extra seconds per drafted token (draft + verify)
 
 
 class AdaptiveDepth:
@@ -141,6 +142,8 @@ class AdaptiveDepth:
         shared = [r for r, own in zip(requests, local, strict=True) if not own]
         if costs.plain_s is None or self.steps % RECALIBRATE == 0:
             k = 0  # a plain step: measures what a step of this size costs right now
+        elif costs.per_token_s is None:
+            k = 1  # one drafted token measures what drafting costs at this size (not 0 s)
         else:
             k = self.shared_depth([self._alpha(r) for r in shared],
                                   costs.per_token_s / costs.plain_s,
@@ -194,4 +197,6 @@ class AdaptiveDepth:
             )
         elif costs.plain_s is not None:
             extra = (draft_s + max(0.0, verify_s - costs.plain_s)) / (width - 1)
-            costs.per_token_s = (1 - s) * costs.per_token_s + s * extra
+            costs.per_token_s = (
+                extra if costs.per_token_s is None else (1 - s) * costs.per_token_s + s * extra
+            )
