@@ -118,12 +118,18 @@ def _run_sampled(model, prompts, drafter=None, first=0):
     return [h.result().tokens for h in handles]
 
 
-def test_seeded_sampling_under_adaptive_depth_on_smollm2(smollm2):
+@pytest.fixture(scope="module")
+def plain_sampled(smollm2):
+    """GROUNDED's prompts and their seeded plain samples, each row alone."""
+    prompts = [smollm2.encode(q) for q in GROUNDED]
+    return prompts, [_run_sampled(smollm2, [p], first=i)[0] for i, p in enumerate(prompts)]
+
+
+def test_seeded_sampling_under_adaptive_depth_on_smollm2(smollm2, plain_sampled):
     """Adaptive depth (the server's default) never changes a seeded row: with prompt lookup
     the tokens equal plain sampling, alone and batched; with a sampling draft model they are
     identical alone and batched."""
-    prompts = [smollm2.encode(q) for q in GROUNDED]
-    plain = [_run_sampled(smollm2, [p], first=i)[0] for i, p in enumerate(prompts)]
+    prompts, plain = plain_sampled
     assert _run_sampled(smollm2, prompts, PromptLookupSource()) == plain
     assert [_run_sampled(smollm2, [p], PromptLookupSource(), first=i)[0]
             for i, p in enumerate(prompts)] == plain
@@ -150,14 +156,13 @@ def test_shipped_assistant_is_lossless_and_accepted_on_smollm2(smollm2, alone, k
     assert engine.stats.position_acceptance("assistant")[0] > 0.1
 
 
-def test_shipped_assistant_seeded_sampling_alone_equals_batched(smollm2):
+def test_shipped_assistant_seeded_sampling_alone_equals_batched(smollm2, plain_sampled):
     """Sampled drafting (q = the assistant's distribution) keeps a seeded row's tokens the same
     alone and batched; greedy drafting keeps them equal to plain sampling."""
-    prompts = [smollm2.encode(q) for q in GROUNDED]
+    prompts, plain = plain_sampled
     batched = _run_sampled(smollm2, prompts, _shipped_assistant(smollm2, "sample"))
     assert batched == [_run_sampled(smollm2, [p], _shipped_assistant(smollm2, "sample"),
                                     first=i)[0] for i, p in enumerate(prompts)]
-    plain = [_run_sampled(smollm2, [p], first=i)[0] for i, p in enumerate(prompts)]
     assert _run_sampled(smollm2, prompts, _shipped_assistant(smollm2)) == plain
 
 
