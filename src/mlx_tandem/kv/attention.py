@@ -13,9 +13,10 @@ such dependence:
   * `p v` is summed over fixed KEY_CHUNK-wide key chunks, each a matmul of one
     shape, added in order (a BLAS splits a long inner dimension at points that
     depend on its total length; trailing masked chunks add exact zeros).
-Keys or values may come `Packed` (MLX affine codes, kv/codec.py's affine codecs):
-the two matmuls then run as `mx.quantized_matmul` over the codes, in the same
-groups and key chunks, instead of decoding every stored column each step.
+Keys or values may come `Packed` (MLX affine codes, kv/codec.py's affine codecs),
+multiplied in the same groups and key chunks without decoding every stored column
+each step: scores as fixed-shape matmuls over the integer codes with the scales and
+biases applied to the scores (`Packed.scores`), `p v` as `mx.quantized_matmul`.
 `stable_group_rows` probes, once per head shape, which group sizes are exact
 here and picks one. `block_attention` is the other arithmetic: mlx's fused
 attention over one row's own prefill chunk, whose shape is fixed by that row's
@@ -71,14 +72,35 @@ class Packed:
                    for a, z in zip((self.w, self.scales, self.biases), grow, strict=True))
         return Packed(w, s, b, self.group, self.bits, self.center)
 
-    def _qmm(self, x: mx.array, parts: tuple[mx.array, ...], transpose: bool) -> mx.array:
-        return mx.quantized_matmul(x, *parts, transpose=transpose, group_size=self.group,
-                                   bits=self.bits)
-
     def scores(self, q: mx.array) -> mx.array:
-        """q (B, Hkv, G, rows, D) -> q k^T (B, Hkv, G, rows, W)."""
-        out = self._qmm(q, tuple(a[:, :, None] for a in (self.w, self.scales, self.biases)),
-                        True)
+        """q (B, Hkv, G, rows, D) -> q k^T (B, Hkv, G, rows, W).
+
+        k = s * c + b per group of channels, so q.k = sum_g s_g (q_g . c_g) + b_g sum(q_g):
+        the integer codes c go through the same fixed-shape matmuls as float keys (each
+        byte's j-th code field meets the query channels j, j + per, ...), and the scales
+        and biases are applied to the scores, never to W x D decoded keys. (MLX's CPU
+        `quantized_matmul` with a transposed operand is a scalar loop: ~3x slower here.)"""
+        B, H, G, R, D = q.shape
+        W, group, per = self.w.shape[2], self.group, 8 // self.bits
+        ng = D // group
+        codes = self.w.view(mx.uint8).reshape(B, H, 1, W, ng, group // per)
+        codes = codes.transpose(0, 1, 2, 4, 5, 3)  # (B, H, 1, ng, group / per, W)
+        qg = q.reshape(B, H, G, R, ng, group).transpose(0, 1, 2, 4, 3, 5)  # (.., ng, R, group)
+        raw = None
+        for j in range(per):  # summed in a fixed order
+            field = codes >> (self.bits * j) if j else codes
+            if j < per - 1:
+                field = field & ((1 << self.bits) - 1)
+            c = mx.broadcast_to(field.astype(q.dtype), (B, H, G, ng, group // per, W))
+            part = (qg[..., j::per] if per > 1 else qg) @ c
+            raw = part if raw is None else raw + part
+        assert raw is not None
+        scales, biases = (a.astype(q.dtype).swapaxes(-1, -2)[:, :, None, :, None]
+                          for a in (self.scales, self.biases))  # (B, H, 1, ng, 1, W)
+        terms = raw * scales + mx.sum(qg, axis=-1, keepdims=True) * biases
+        out = terms[:, :, :, 0]
+        for g in range(1, ng):
+            out = out + terms[:, :, :, g]
         if self.center is not None:
             out = out + q @ self.center[None, :, None].swapaxes(-1, -2)
         return out
@@ -89,7 +111,8 @@ class Packed:
         B, H, _, n, _, K = probs.shape
         parts = tuple(a.reshape(B, H, 1, n, K, a.shape[-1])
                       for a in (self.w, self.scales, self.biases))
-        return self._qmm(probs, parts, False)
+        return mx.quantized_matmul(probs, *parts, transpose=False, group_size=self.group,
+                                   bits=self.bits)
 
     def center_term(self, probs: mx.array) -> mx.array | None:
         """sum_w p_w * center (B, Hkv, G, rows, D), or None without a center."""

@@ -9,8 +9,8 @@ decoded vectors (dequantize-then-attend). Three kinds:
   * `affineB[:gG]`: MLX affine quantization (`mx.quantize`, B bits, groups of G
     along head_dim, float16 scales and biases); `,rot` quantizes the vector after
     turbo's rotation instead (attention then runs in the rotated space). For B in
-    2, 4, 8 attention multiplies the codes as they are (`mx.quantized_matmul`,
-    kv/attention.Packed) instead of decoding every column each step;
+    2, 4, 8 attention multiplies the codes as they are (kv/attention.Packed)
+    instead of decoding every column each step;
   * `turbo-kKvV`: TurboQuant (SPEC_REFERENCE §2): a fixed random-sign Hadamard
     rotation per layer, a float16 norm per vector and Lloyd-Max codebook indices
     of the rotated direction (K / V bits in {2, 3, 4, 8}), packed into uint8
