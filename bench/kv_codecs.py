@@ -99,11 +99,11 @@ def main() -> None:
     ap.add_argument("--codecs", default=CODECS, help="'|'-separated if a name has a comma")
     ap.add_argument("--tokens", type=int, default=1025, help="passage tokens (predicted: one less)")
     ap.add_argument("--chunk", type=int, default=64)
-    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--decode-tokens", type=int, default=96)
     ap.add_argument("--decode", default="fp|affine4|turbo-k8v4|turbo-k4v4",
                     help="codecs whose decode speed is measured ('|'-separated)")
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget", default="1G")
     ap.add_argument("--context", type=int, default=4096)
     args = ap.parse_args()

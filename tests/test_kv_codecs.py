@@ -223,13 +223,28 @@ def test_affine_codes_are_attended_without_decoding(sinks, monkeypatch):
     monkeypatch.setattr(attention.Packed, "scores", lambda self, q: calls.append(1) or real(self, q))
     cache.attend(q, keys, values, scale=0.2, mask=mask, **extra)
     assert calls, "the packed path did not run"
+    decoded = cache._decoded(keys.shape[2], max(cache.ends))
     want = codec.value.unrotate(attention.invariant_attention(
-        codec.key.rotate(q), keys, values, 0.2, mask, **extra))
+        codec.key.rotate(q), *decoded, 0.2, mask, **extra))
     assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
-    no_center = dataclasses.replace(cache._packed(keys, values)[1], center=None)
-    wrong = attention.invariant_attention(codec.key.rotate(q), cache._packed(keys, values)[0],
+    packed = cache._stored(keys, values, block=False)
+    no_center = dataclasses.replace(packed[1], center=None)
+    wrong = attention.invariant_attention(codec.key.rotate(q), packed[0],
                                           no_center, 0.2, mask, **extra)
     assert not mx.allclose(wrong, want, atol=1e-2).item()  # the center term matters
+
+
+def test_a_quantized_cache_refuses_keys_the_model_changed():
+    """A quantized cache hands out stand-ins and attends its stored parts: keys the model
+    altered after update_and_fetch would be ignored, so they are refused by name."""
+    cache = RowKVCache(codec=parse_codec("affine4:g32").for_layer(1, None, edge=False))
+    cache.ends = [0]
+    mask = cache.make_mask(3)
+    keys, values = cache.update_and_fetch(vectors((1, 2, 3, 32), 1), vectors((1, 2, 3, 32), 2))
+    q = vectors((1, 4, 3, 32), 3)
+    assert cache.attend(q, keys, values, scale=0.2, mask=mask).shape == (1, 4, 3, 32)
+    with pytest.raises(ValueError, match="changes them first"):
+        cache.attend(q, keys * 2, values, scale=0.2, mask=mask)
 
 
 @pytest.mark.parametrize("name", ["affine4:g32", "turbo-k3v4"])

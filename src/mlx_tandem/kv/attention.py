@@ -98,7 +98,7 @@ class Packed:
         scales, biases = (a.astype(q.dtype).swapaxes(-1, -2)[:, :, None, :, None]
                           for a in (self.scales, self.biases))  # (B, H, 1, ng, 1, W)
         terms = raw * scales + mx.sum(qg, axis=-1, keepdims=True) * biases
-        out = terms[:, :, :, 0]
+        out = terms.reshape(B, H, G, R, W) if ng == 1 else terms[:, :, :, 0]
         for g in range(1, ng):
             out = out + terms[:, :, :, g]
         if self.center is not None:

@@ -136,8 +136,10 @@ class Scaled(Wrapped):
         return self.inner.encode(x / self.scale)
 
     def rotate(self, x: mx.array) -> mx.array:
-        rep = x.shape[1] // self.scale.shape[0]
-        return self.inner.rotate(x * (mx.repeat(self.scale, rep, axis=0) if rep > 1 else self.scale))
+        B, H, L, D = x.shape  # query head h reads kv head h // rep
+        Hkv = self.scale.shape[0]
+        scaled = (x.reshape(B, Hkv, H // Hkv, L, D) * self.scale[:, None]).reshape(B, H, L, D)
+        return self.inner.rotate(scaled)
 
     def embed(self, x: mx.array) -> mx.array:
         return self.inner.embed(x / self.scale)

@@ -45,7 +45,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlx_tandem.kv.attention import KEY_CHUNK, Packed, block_attention, invariant_attention
-from mlx_tandem.kv.codec import FP, KVCodec
+from mlx_tandem.kv.codec import FP, KVCodec, VectorCodec
 
 PAGE = 256  # capacity grows in whole pages
 SPAN = KEY_CHUNK  # attention reads key columns in whole chunks
@@ -82,6 +82,7 @@ class RowKVCache:
         self.vparts: Parts | None = None
         self.dtype: mx.Dtype = mx.float32  # the model's K/V dtype (set by the first append)
         self.ends: list[int] = []
+        self._handed: tuple[mx.array, ...] = ()  # a quantized cache's last stand-ins
 
     # --- the mlx-lm cache protocol -------------------------------------------------
     @property
@@ -127,42 +128,58 @@ class RowKVCache:
         width = self._width(max(self.ends) + L)
         self._reserve(width, kp, vp)
         assert self.kparts is not None and self.vparts is not None
-        self.kparts = tuple(self._scatter(b, n) for b, n in zip(self.kparts, kp, strict=True))
-        self.vparts = tuple(self._scatter(b, n) for b, n in zip(self.vparts, vp, strict=True))
+        cols = self._columns(L)
+        self.kparts = tuple(self._scatter(b, n, cols) for b, n in zip(self.kparts, kp, strict=True))
+        self.vparts = tuple(self._scatter(b, n, cols) for b, n in zip(self.vparts, vp, strict=True))
         self.ends = [e + L for e in self.ends]
-        return self._decoded(width, max(self.ends))
+        if self.codec.is_fp:
+            return self._decoded(width)
+        # A quantized cache hands the model stand-ins of the decoded K/V's shape: its
+        # attention reads the stored parts (`attend`), so no step builds a decode of
+        # every column that nothing evaluates.
+        self._handed = tuple(
+            mx.broadcast_to(mx.zeros((1, 1, 1, x.shape[3]), x.dtype), (B, x.shape[1], width,
+                                                                        x.shape[3]))
+            for x in (keys, values))
+        return self._handed
 
     def _fits(self, L: int) -> bool:
         """Whether appending L tokens keeps every position a query can still see."""
         return self.ring is None or (self.window is not None and self.ring - self.window >= L)
 
-    def _scatter(self, buf: mx.array, new: mx.array) -> mx.array:
-        """Write each row's new columns at its own end (modulo the ring)."""
-        L, ends = new.shape[2], self.ends
+    def _columns(self, L: int) -> int | mx.array:
+        """Where an append of L tokens goes: the first column when every row writes the
+        same contiguous columns, else (B, 1, L, 1) each row's columns (modulo the ring)."""
+        ends = self.ends
         if len(set(ends)) == 1 and (self.ring is None or ends[0] % self.ring + L <= self.ring):
-            start = ends[0] if self.ring is None else ends[0] % self.ring
-            buf[:, :, start : start + L] = new
-            return buf
+            return ends[0] if self.ring is None else ends[0] % self.ring
         cols = mx.array(ends, dtype=mx.int32)[:, None, None, None]
         cols = cols + mx.arange(L)[None, None, :, None]
-        if self.ring is not None:
-            cols = mx.remainder(cols, self.ring)
+        return cols if self.ring is None else mx.remainder(cols, self.ring)
+
+    @staticmethod
+    def _scatter(buf: mx.array, new: mx.array, cols: int | mx.array) -> mx.array:
+        """Write each row's new columns at `cols` (from `_columns`)."""
+        if isinstance(cols, int):
+            buf[:, :, cols : cols + new.shape[2]] = new
+            return buf
         return mx.put_along_axis(buf, mx.broadcast_to(cols, new.shape), new, axis=2)
 
     def _decoded(self, width: int, used: int | None = None) -> tuple[mx.array, mx.array]:
-        """Columns [0, width) decoded, in the codec's attention space. A quantized codec
-        decodes only the `used` columns and pads with zeros: columns past a row's end are
-        masked, so they add exact zeros whatever they hold."""
+        """Columns [0, width) decoded, in the codec's attention space."""
         assert self.kparts is not None and self.vparts is not None
         if self.codec.is_fp:
             return self.kparts[0][:, :, :width], self.vparts[0][:, :, :width]
+        return (self._decode(self.codec.key, self.kparts, width, used),
+                self._decode(self.codec.value, self.vparts, width, used))
+
+    def _decode(self, codec: VectorCodec, parts: Parts, width: int, used: int | None) -> mx.array:
+        """One tensor's columns [0, width) decoded. Only the `used` columns are decoded and
+        the rest padded with zeros: columns past a row's end are masked, so they add exact
+        zeros whatever they hold."""
         n = width if used is None else min(used, width)
-        pad = [(0, 0), (0, 0), (0, width - n), (0, 0)]
-        out = []
-        for c, parts in ((self.codec.key, self.kparts), (self.codec.value, self.vparts)):
-            x = c.decode(tuple(p[:, :, :n] for p in parts), self.dtype)
-            out.append(mx.pad(x, pad) if n < width else x)
-        return out[0], out[1]
+        x = codec.decode(tuple(p[:, :, :n] for p in parts), self.dtype)
+        return mx.pad(x, [(0, 0), (0, 0), (0, width - n), (0, 0)]) if n < width else x
 
     def attend(
         self, queries, keys, values, scale: float, mask, block: bool = False, sinks=None,
@@ -178,28 +195,32 @@ class RowKVCache:
                 f"attention mask covers {mask.shape[-1]} key columns, the cache holds "
                 f"{keys.shape[2]}: build it with this layer's cache.make_mask"
             )
+        if not self.codec.is_fp:
+            keys, values = self._stored(keys, values, block)
         queries = self.codec.key.rotate(queries)
         if block:
             assert len(self.ends) == 1, "block attention is for one row's own prefill"
             out = block_attention(queries, keys, values, scale, mask, sinks, softcap)
-        else:  # affine codes are multiplied as they are (the decoded arrays stay unevaluated)
-            keys, values = self._packed(keys, values)
+        else:
             out = invariant_attention(
                 queries, keys, values, scale, mask, sinks=sinks, softcap=softcap
             )
         return self.codec.value.unrotate(out)
 
-    def _packed(self, keys: mx.array, values: mx.array) -> tuple[mx.array | Packed, ...]:
-        """Keys and values for the invariant attention: the stored codes of the same columns
-        where the codec has affine ones, else the decoded arrays given."""
-        if self.codec.is_fp or self.kparts is None or self.vparts is None:
-            return keys, values
-        width = keys.shape[2]
+    def _stored(self, keys: mx.array, values: mx.array, block: bool) -> tuple[mx.array | Packed, ...]:
+        """What a quantized cache attends for the stand-ins `update_and_fetch` handed out:
+        the stored affine codes as they are (rows attention), else the decoded columns."""
+        if len(self._handed) != 2 or keys is not self._handed[0] or values is not self._handed[1]:
+            raise ValueError(
+                "a quantized KV cache attends only the keys and values its update_and_fetch "
+                "returned; this model changes them first: use --kv-codec fp for it"
+            )
+        assert self.kparts is not None and self.vparts is not None
+        width, used = keys.shape[2], max(self.ends)
         out: list[mx.array | Packed] = []
-        for c, parts, decoded in ((self.codec.key, self.kparts, keys),
-                                  (self.codec.value, self.vparts, values)):
-            packed = c.packed(tuple(p[:, :, :width] for p in parts))
-            out.append(decoded if packed is None else packed)
+        for c, parts in ((self.codec.key, self.kparts), (self.codec.value, self.vparts)):
+            packed = None if block else c.packed(tuple(p[:, :, :width] for p in parts))
+            out.append(self._decode(c, parts, width, used) if packed is None else packed)
         return out[0], out[1]
 
     @property

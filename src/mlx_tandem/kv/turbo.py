@@ -49,8 +49,10 @@ def lloyd_max(dim: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 @functools.lru_cache(maxsize=256)
-def random_signs(seed: int, dim: int) -> np.ndarray:
-    return np.where(np.random.default_rng(seed).random(dim) < 0.5, -1.0, 1.0).astype(np.float32)
+def random_signs(seed: int, dim: int) -> mx.array:
+    """The rotation's fixed signs (an immutable array, made once per layer and dim)."""
+    signs = np.where(np.random.default_rng(seed).random(dim) < 0.5, -1.0, 1.0)
+    return mx.array(signs.astype(np.float32))
 
 
 def pack_indices(idx: mx.array, bits: int) -> mx.array:
@@ -137,7 +139,7 @@ class Rotated:
     seed: int
 
     def _signs(self, dim: int) -> mx.array:
-        return mx.array(random_signs(self.seed, dim))
+        return random_signs(self.seed, dim)
 
     def rotate(self, x: mx.array) -> mx.array:
         d = x.shape[-1]
