@@ -21,12 +21,15 @@ What a column holds is the layer's KV codec's encoding (kv/codec.py: `fp`
 stores the vectors themselves; quantized codecs store their parts). Every
 codec encodes each vector on its own, so a verify block's committed columns
 are the same however the block was appended and a rejected tail is discarded
-by moving ends back. Attention reads the decoded vectors (dequantize-then-
-attend, in the codec's attention space: `attend` rotates the queries and
-un-rotates the output for a rotating codec); the new tokens are attended
-through their encoding too, so a token's arithmetic never depends on whether
-it arrived alone or in a block. `fetch` gives the decoded K/V in the model's
-own space (the assistant drafter reads donor layers through it).
+by moving ends back. Attention reads what is stored, in the codec's attention
+space (`attend` rotates the queries and un-rotates the output for a rotating
+codec): affine codes multiplied as they are (kv/attention.Packed), other codecs
+and block attention decoded; a quantized cache's `update_and_fetch` returns
+stand-ins of the decoded shape, and `attend` refuses anything else (a model
+that changed them). The new tokens are attended through their encoding too, so
+a token's arithmetic never depends on whether it arrived alone or in a block.
+`fetch` gives the decoded K/V in the model's own space (the assistant drafter
+reads donor layers through it).
 
 The cache speaks mlx-lm's cache protocol as the model files use it: `offset`
 (per-row positions, read for RoPE before the update), `make_mask`, and
