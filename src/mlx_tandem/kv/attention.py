@@ -79,7 +79,7 @@ class Packed:
         the integer codes c go through the same fixed-shape matmuls as float keys (each
         byte's j-th code field meets the query channels j, j + per, ...), and the scales
         and biases are applied to the scores, never to W x D decoded keys. (MLX's CPU
-        `quantized_matmul` with a transposed operand is a scalar loop.)"""
+        `quantized_matmul` with a transposed operand is a scalar loop without 8-wide SIMD.)"""
         B, H, G, R, D = q.shape
         W, group, per = self.w.shape[2], self.group, 8 // self.bits
         ng = D // group
