@@ -162,3 +162,23 @@ def test_at_least_eighteen_families_and_their_refusals_name_them():
 
 def test_the_docs_table_is_the_declaration():
     assert families.markdown_table() in DOCS.read_text()
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if FAMILIES[n].batched is None])
+def test_the_rows_engine_runs_every_family_on_quantized_kv(family_model, name):
+    """A quantized cache hands the model stand-ins and attends its stored codes: every
+    family's attention passes them on untouched (else `attend` refuses by name), and the
+    logits stay near the model's (8-bit codes' error only; attending the stand-ins' zeros
+    would be ~100% off)."""
+    from mlx_tandem.engine.runner import ModelRunner
+
+    m = family_model(name)
+    ids = [5, 17, 99, 3, 250, 42, 42, 7] * 3
+    reference = m.model(mx.array([ids]))
+    runner = ModelRunner(m, kv_codec="turbo-k8v8")
+    rows = runner.blank_rows(1)
+    last = runner.logits(runner.prefill(rows, ids[:-1], 16), "last")
+    step = runner.logits(runner.forward(rows, mx.array([ids[-1:]]), [1]), "last")
+    for got, want in ((last, reference[:, -2:-1]), (step, reference[:, -1:])):
+        error = mx.linalg.norm(got - want) / mx.linalg.norm(want)
+        assert error.item() < 0.1, f"logits {error.item():.0%} off the model's"
