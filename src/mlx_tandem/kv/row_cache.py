@@ -140,10 +140,8 @@ class RowKVCache:
         # A quantized cache hands the model stand-ins of the decoded K/V's shape: its
         # attention reads the stored parts (`attend`), so no step builds a decode of
         # every column that nothing evaluates.
-        self._handed = tuple(
-            mx.broadcast_to(mx.zeros((1, 1, 1, x.shape[3]), x.dtype), (B, x.shape[1], width,
-                                                                        x.shape[3]))
-            for x in (keys, values))
+        self._handed = tuple(mx.zeros((B, x.shape[1], width, x.shape[3]), x.dtype)
+                             for x in (keys, values))  # one lazy op each, never evaluated
         return self._handed
 
     def _fits(self, L: int) -> bool:
