@@ -1,6 +1,7 @@
 """Batch-invariant arithmetic: the projection plans, the attention grouping, and that both are needed."""
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 
 from mlx_tandem.kv.attention import (
@@ -10,7 +11,7 @@ from mlx_tandem.kv.attention import (
     invariant_attention,
     stable_group_rows,
 )
-from mlx_tandem.models.invariance import follow_plan, probe_plan
+from mlx_tandem.models.invariance import MAX_WIDE, RowPlan, follow_plan, probe_plan, turned_form
 
 
 def _projection(tiny_model, name):
@@ -30,6 +31,25 @@ def test_a_row_gets_the_same_result_in_any_call_under_its_plan(tiny_model, name)
             got = planned(x[start : start + rows])
             for i in range(rows):
                 assert mx.array_equal(got[i : i + 1], alone[start + i]).item(), (rows, start, i)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_wide_calls_run_turned_and_each_row_keeps_its_one_row_result(bias):
+    """At SmolLM2's width on this BLAS, calls wider than the exact chunk run as `(W @ x.T).T`
+    (rows on the call's other side) in pieces of at most `wide` rows: each row still gets its
+    one-row result. Trusting the turned form past its probed width is not exact."""
+    layer = nn.Linear(576, 576, bias=bias)
+    turned = turned_form(layer)
+    plan = probe_plan(layer, 576, turned=turned)
+    assert 0 < plan.chunk < 16 < plan.wide, plan  # the regime here: one turned call for 16 rows
+    planned = follow_plan(layer, plan, BlockMode(), turned)
+    x = mx.random.normal((96, 576), key=mx.random.key(7))
+    alone = mx.concatenate([layer(x[i : i + 1]) for i in range(96)])
+    for rows in (plan.chunk + 1, 16, plan.wide, plan.wide + 1, 64, 96):
+        for start in (0, 96 - rows):
+            assert mx.array_equal(planned(x[start : start + rows]), alone[start : start + rows]).item()
+    too_wide = follow_plan(layer, RowPlan(chunk=plan.chunk, wide=MAX_WIDE), BlockMode(), turned)
+    assert not mx.array_equal(too_wide(x[:MAX_WIDE]), alone[:MAX_WIDE]).item()
 
 
 def test_without_a_plan_a_rows_result_depends_on_the_call():

@@ -24,10 +24,12 @@ def smollm2(real_model):
     return real_model("smollm2-135m", "float32")
 
 
-def _alone_vs_batched(model, batch_invariant: bool, steps: int = 3) -> list[bool]:
+def _alone_vs_batched(
+    model, batch_invariant: bool, steps: int = 3, questions: list[str] = QUESTIONS
+) -> list[bool]:
     """Per row: are its greedy decode logits identical alone and in a batch of all rows?"""
     runner = ModelRunner(model, batch_invariant=batch_invariant)
-    prompts = [model.encode(q) for q in QUESTIONS]
+    prompts = [model.encode(q) for q in questions]
 
     def prefilled(p: list[int]):
         row = runner.blank_rows(1)
@@ -87,3 +89,13 @@ def test_invariance_is_needed_and_sufficient_on_smollm2(smollm2):
     on = _alone_vs_batched(smollm2, batch_invariant=True)
     assert all(on), on
     print(f"probe {needs}; machinery off, rows equal alone/batched: {off}")
+
+
+def test_rows_past_the_exact_chunk_decode_as_they_do_alone(smollm2):
+    """20 rows: wider than OpenBLAS's exact 12-row calls here, so every projection and the
+    tied head run turned (`(W @ x.T).T`, models/invariance.py), one call for all rows."""
+    runner = ModelRunner(smollm2)
+    q_proj = runner.graph.backbone.layers[0].self_attn.q_proj
+    assert q_proj.plan.chunk < 20 <= q_proj.plan.wide, q_proj.plan
+    questions = [f"{q} Answer in {n} words." for q in QUESTIONS for n in (5, 10, 20, 40, 80, 160, 320)]
+    assert all(_alone_vs_batched(smollm2, batch_invariant=True, steps=2, questions=questions[:20]))

@@ -8,6 +8,10 @@ A fast BLAS picks kernels by shape. Measured here, two regimes exist:
     machine): a row's result depends on its position inside a large call
     (rows 0-5 and 6-11 of a 48-row tile differ), but calls of at most c rows
     all equal the one-row result — split calls into pieces of at most c rows.
+    The turned form `(W @ x.T).T` puts the rows on the BLAS call's other side,
+    where (measured here) calls of up to 30 rows all equal the one-row result:
+    calls wider than c rows run turned, in pieces of at most `wide` rows, so
+    16 rows stream each weight once instead of twice.
 `probe_plan` measures a projection once and returns its `RowPlan`.
 `row_stable(model)` returns a copy of the module tree (sharing every weight
 array) whose projections follow their plans and whose attention layers run the
@@ -35,11 +39,13 @@ import mlx.nn as nn
 
 from mlx_tandem.kv.attention import BlockMode
 from mlx_tandem.kv.state_rows import rows_model
+from mlx_tandem.models.graph import is_tied
 
 PROBE_ROWS = (*range(1, 33), 40, 48, 64, 96, 128, 144, 160, 192)
 REFERENCE_ROWS = 256
 MAX_PAD = 64  # beyond this, padding costs more than splitting
 MAX_CHUNK = 16
+MAX_WIDE = 64
 PROJECTIONS = (nn.Linear, nn.QuantizedLinear)
 
 Fn = Callable[[mx.array], mx.array]
@@ -51,10 +57,14 @@ class RowPlan:
 
     pad_to: int = 1  # large-call regime: calls with fewer rows are padded to this many
     chunk: int = 0  # small-call regime (> 0): calls are split into pieces of <= chunk rows
+    wide: int = 0  # small-call regime, turned form: calls of > chunk rows run turned, <= wide
 
 
-def probe_plan(fn: Fn, in_dims: int, dtype: mx.Dtype = mx.float32) -> RowPlan:
-    """Measure fn's regime: the padding from which rows are stable, else the largest exact chunk."""
+def probe_plan(
+    fn: Fn, in_dims: int, dtype: mx.Dtype = mx.float32, turned: Fn | None = None
+) -> RowPlan:
+    """Measure fn's regime: the padding from which rows are stable, else the largest exact chunk
+    (and, given fn's turned form, the largest row count from which every turned call is exact)."""
     x = mx.random.normal((REFERENCE_ROWS, in_dims), key=mx.random.key(in_dims)).astype(dtype)
     ref = fn(x)
     mx.eval(ref)
@@ -64,13 +74,21 @@ def probe_plan(fn: Fn, in_dims: int, dtype: mx.Dtype = mx.float32) -> RowPlan:
         for pad in [first, *(m for m in PROBE_ROWS if first < m <= MAX_PAD)]:
             if all(_padded_exact(fn, x, ref, rows, pad) for rows in (1, 2, 3, 5)):
                 return RowPlan(pad_to=pad)
-    single = mx.concatenate([fn(x[i : i + 1]) for i in range(MAX_CHUNK + 3)])
-    chunk = 1
-    while chunk < MAX_CHUNK and all(
-        mx.array_equal(fn(x[s : s + chunk + 1]), single[s : s + chunk + 1]).item() for s in (0, 3)
+    reach = MAX_WIDE if turned is not None else MAX_CHUNK
+    single = mx.concatenate([fn(x[i : i + 1]) for i in range(reach + 3)])
+    chunk = _exact_up_to(fn, x, single, 1, MAX_CHUNK)
+    wide = _exact_up_to(turned, x, single, chunk, MAX_WIDE) if turned is not None else chunk
+    return RowPlan(chunk=chunk, wide=wide if wide > chunk else 0)
+
+
+def _exact_up_to(fn: Fn, x: mx.array, single: mx.array, start: int, most: int) -> int:
+    """The largest n <= most such that fn's calls of start+1 .. n rows equal one-row results."""
+    n = start
+    while n < most and all(
+        mx.array_equal(fn(x[s : s + n + 1]), single[s : s + n + 1]).item() for s in (0, 3)
     ):
-        chunk += 1
-    return RowPlan(chunk=chunk)
+        n += 1
+    return n
 
 
 def _padded_exact(fn: Fn, x: mx.array, ref: mx.array, rows: int, pad: int) -> bool:
@@ -92,17 +110,34 @@ def _dtype(m: nn.Module) -> mx.Dtype:
     return m.scales.dtype if hasattr(m, "scales") else m.weight.dtype
 
 
-def follow_plan(fn: Fn, plan: RowPlan, block: BlockMode) -> Fn:
+def turned_form(module: nn.Module) -> Fn | None:
+    """`(W @ x.T).T` (+ bias, added as the module adds it) for a float Linear or a float
+    Embedding's `as_linear` (tied heads); None for quantized projections."""
+    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or not isinstance(
+        module, (nn.Linear, nn.Embedding)
+    ):
+        return None
+    weight = module.weight
+    if "bias" in module:
+        bias = module.bias[:, None]
+        return lambda x: mx.addmm(bias, weight, x.T).T
+    return lambda x: (weight @ x.T).T
+
+
+def follow_plan(fn: Fn, plan: RowPlan, block: BlockMode, turned: Fn | None = None) -> Fn:
     """fn over (..., in) with the plan's padding or splitting applied to the flattened rows."""
     if plan.pad_to <= 1 and plan.chunk == 0:
         return fn
+    if plan.wide:
+        assert turned is not None, "a plan with a turned form needs that form"
 
     def planned(x: mx.array) -> mx.array:
         lead, rows = x.shape[:-1], x.size // x.shape[-1]
         flat = x.reshape(rows, x.shape[-1])
         if plan.chunk and rows > plan.chunk and not block.on:
-            size = -(-rows // -(-rows // plan.chunk))  # even pieces: every size <= chunk is exact
-            y = mx.concatenate([fn(flat[i : i + size]) for i in range(0, rows, size)])
+            call, most = (turned, plan.wide) if plan.wide else (fn, plan.chunk)
+            size = -(-rows // -(-rows // most))  # even pieces: every size <= most is exact
+            y = mx.concatenate([call(flat[i : i + size]) for i in range(0, rows, size)])
         elif rows < plan.pad_to:
             zeros = mx.zeros((plan.pad_to - rows, x.shape[-1]), x.dtype)
             y = fn(mx.concatenate([flat, zeros]))[:rows]
@@ -120,28 +155,51 @@ class RowStableProjection(nn.Module):
         super().__init__()
         self.inner = inner
         self.plan = plan
-        self._call = follow_plan(inner, plan, block)
+        self._call = follow_plan(inner, plan, block, turned_form(inner))
 
     def __call__(self, x: mx.array) -> mx.array:
         return self._call(x)
 
 
+class RowStableEmbedding(nn.Embedding):
+    """A float Embedding whose tied-head use (`as_linear`) follows its probed RowPlan; looking
+    tokens up is unchanged. Made by `stable_projections` from a copy (weights shared)."""
+
+    _as_linear: Fn
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return self._as_linear(x)
+
+
+def _stable_embedding(module: nn.Embedding, plan: RowPlan, block: BlockMode) -> nn.Module:
+    if plan == RowPlan():
+        return module
+    out = copy.copy(module)
+    out.__class__ = RowStableEmbedding
+    out._as_linear = follow_plan(module.as_linear, plan, block, turned_form(module))
+    return out
+
+
 def stable_projections(
     model: nn.Module, block: BlockMode
 ) -> tuple[nn.Module, dict[tuple, RowPlan]]:
-    """A copy of `model` (sharing every array) whose projections follow their probed plans."""
+    """A copy of `model` (sharing every array) whose projections (and, for a tied head, the
+    float embedding's `as_linear`) follow their probed plans."""
     plans: dict[tuple, RowPlan] = {}
+    tied = is_tied(model)
 
-    def plan(m: nn.Module) -> RowPlan:
-        key = (type(m).__name__, tuple(m.weight.shape), getattr(m, "bits", None))
+    def plan(m: nn.Module, fn: Fn) -> RowPlan:
+        key = (type(m).__name__, tuple(m.weight.shape), getattr(m, "bits", None), "bias" in m)
         if key not in plans:
-            plans[key] = probe_plan(m, _in_dims(m), _dtype(m))
+            plans[key] = probe_plan(fn, _in_dims(m), _dtype(m), turned_form(m))
         return plans[key]
 
     def rebuild(module: nn.Module) -> nn.Module:
         if isinstance(module, PROJECTIONS):
-            p = plan(module)
+            p = plan(module, module)
             return module if p == RowPlan() else RowStableProjection(module, p, block)
+        if tied and type(module) is nn.Embedding:
+            return _stable_embedding(module, plan(module, module.as_linear), block)
         out = copy.copy(module)  # shares arrays; children replaced below, never mutated
         for key, value in module.items():
             if isinstance(value, nn.Module):
