@@ -35,9 +35,10 @@ def test_a_row_gets_the_same_result_in_any_call_under_its_plan(tiny_model, name)
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_wide_calls_run_turned_and_each_row_keeps_its_one_row_result(bias):
-    """At SmolLM2's width on this BLAS, calls wider than the exact chunk run as `(W @ x.T).T`
-    (rows on the call's other side) in pieces of at most `wide` rows: each row still gets its
-    one-row result. Trusting the turned form past its probed width is not exact."""
+    """At SmolLM2's width on this BLAS, `(W @ x.T).T` (rows on the call's other side) is exact
+    for calls of up to `wide` rows, more than the plain form's chunk: whichever form a call
+    takes, each row gets its one-row result. Trusting the turned form past its probed width
+    is not exact."""
     layer = nn.Linear(576, 576, bias=bias)
     turned = turned_form(layer)
     plan = probe_plan(layer, 576, turned=turned)
@@ -45,10 +46,12 @@ def test_wide_calls_run_turned_and_each_row_keeps_its_one_row_result(bias):
     planned = follow_plan(layer, plan, BlockMode(), turned)
     x = mx.random.normal((96, 576), key=mx.random.key(7))
     alone = mx.concatenate([layer(x[i : i + 1]) for i in range(96)])
-    for rows in (plan.chunk + 1, 16, plan.wide, plan.wide + 1, 64, 96):
+    for rows in (1, 2, 5, plan.chunk, plan.chunk + 1, 16, plan.wide, plan.wide + 1, 64, 96):
         for start in (0, 96 - rows):
             assert mx.array_equal(planned(x[start : start + rows]), alone[start : start + rows]).item()
-    too_wide = follow_plan(layer, RowPlan(chunk=plan.chunk, wide=MAX_WIDE), BlockMode(), turned)
+    too_wide = follow_plan(
+        layer, RowPlan(chunk=plan.chunk, wide=MAX_WIDE, turned_from=1), BlockMode(), turned
+    )
     assert not mx.array_equal(too_wide(x[:MAX_WIDE]), alone[:MAX_WIDE]).item()
 
 

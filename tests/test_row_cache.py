@@ -8,6 +8,7 @@ import random
 import mlx.core as mx
 import pytest
 
+from mlx_tandem.kv.attention import KEY_SPAN
 from mlx_tandem.kv.row_cache import PAGE, RowKVCache, ring_size
 
 H, HKV, D = 4, 2, 16
@@ -36,7 +37,7 @@ def test_ragged_rows_write_at_their_own_ends():
     cache = filled([3, 7])
     keys, values = kv(2, 2, seed=9)
     k, _ = cache.update_and_fetch(keys, values)
-    assert cache.ends == [5, 9] and k.shape[2] % 256 == 0 and cache.capacity % PAGE == 0
+    assert cache.ends == [5, 9] and k.shape[2] % KEY_SPAN == 0 and cache.capacity % PAGE == 0
     assert mx.array_equal(k[0, :, 3:5], keys[0]).item()
     assert mx.array_equal(k[1, :, 7:9], keys[1]).item()
 

@@ -12,7 +12,12 @@ such dependence:
     scores never depend on how many queries, rows or positions share the call;
   * `p v` is summed over fixed KEY_CHUNK-wide key chunks, each a matmul of one
     shape, added in order (a BLAS splits a long inner dimension at points that
-    depend on its total length; trailing masked chunks add exact zeros).
+    depend on its total length; trailing masked chunks add exact zeros);
+  * scores and softmax cover only the keys given (callers read whole KEY_SPAN
+    spans, narrower than a chunk: the scalar `exp` of masked columns was most
+    of a short row's attention); a masked column's weight is exactly 0 however
+    many follow, and the weights are zero-padded to whole chunks for `p v`
+    (values may come that wide already: a row cache hands them so).
 Keys or values may come `Packed` (MLX affine codes, kv/codec.py's affine codecs),
 multiplied in the same groups and key chunks without decoding every stored column
 each step: scores as fixed-shape matmuls over the integer codes with the scales and
@@ -35,6 +40,7 @@ import mlx.core as mx
 
 GROUP_ROW_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16)  # rows of one score / p.v matmul
 KEY_CHUNK = 256  # `p v` is summed over fixed-size key chunks, in order
+KEY_SPAN = 64  # scores and softmax read key columns in whole spans (callers' widths)
 
 
 @dataclass
@@ -142,15 +148,13 @@ def invariant_attention(
     rep = H // Hkv
     if group_rows is None:
         group_rows = stable_group_rows(D, H, Hkv, str(queries.dtype))
-    extra = -keys.shape[2] % KEY_CHUNK
-    if extra:
-        keys, values = (
-            x.padded(extra) if isinstance(x, Packed)
-            else mx.concatenate([x, mx.zeros((B, Hkv, extra, x.shape[3]), x.dtype)], axis=2)
-            for x in (keys, values)
-        )
-        valid = mx.concatenate([valid, mx.zeros((*valid.shape[:3], extra), mx.bool_)], axis=3)
-    W, n = keys.shape[2], keys.shape[2] // KEY_CHUNK
+    W = keys.shape[2]  # scores and softmax: the keys given (trailing masked ones weigh 0)
+    Wv = -(-max(W, values.shape[2]) // KEY_CHUNK) * KEY_CHUNK  # p v: whole key chunks
+    if values.shape[2] < Wv:
+        extra = Wv - values.shape[2]
+        values = (values.padded(extra) if isinstance(values, Packed) else
+                  mx.concatenate([values, mx.zeros((B, Hkv, extra, Dv), values.dtype)], axis=2))
+    n = Wv // KEY_CHUNK
     R = rep * L
     G = -(-R // group_rows)
     pad = G * group_rows - R
@@ -173,12 +177,13 @@ def invariant_attention(
         col = mx.repeat(sinks.astype(scores.dtype).reshape(Hkv, rep), L, axis=1)
         col = mx.concatenate([col, mx.zeros((Hkv, pad), col.dtype)], axis=1)
         col = mx.broadcast_to(col[None, :, :, None], (B, Hkv, G * group_rows, 1))
-        scores = mx.softmax(mx.concatenate([col, scores], axis=-1), axis=-1, precise=True)
-        probs = scores[..., 1:].reshape(B, Hkv, G, group_rows, n, KEY_CHUNK)
+        probs = mx.softmax(mx.concatenate([col, scores], axis=-1), axis=-1, precise=True)
+        probs = probs[..., 1:]
     else:
-        probs = mx.softmax(scores, axis=-1, precise=True).reshape(
-            B, Hkv, G, group_rows, n, KEY_CHUNK
-        )
+        probs = mx.softmax(scores, axis=-1, precise=True)
+    if Wv > W:  # columns past the scored ones weigh exactly 0
+        probs = mx.concatenate([probs, mx.zeros((*probs.shape[:3], Wv - W), probs.dtype)], axis=-1)
+    probs = probs.reshape(B, Hkv, G, group_rows, n, KEY_CHUNK)
     probs = probs.transpose(0, 1, 2, 4, 3, 5)  # (B, Hkv, G, n, group_rows, KEY_CHUNK)
     if isinstance(values, Packed):
         parts = values.weighted(probs)

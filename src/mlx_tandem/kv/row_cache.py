@@ -7,8 +7,8 @@ after speculative verification costs nothing. Columns past a row's end hold
 stale data that the validity mask hides.
 
 A sliding-window layer (Gemma 3's local layers) built with a `ring` keeps only
-`ring` columns (the window plus the largest append, rounded to whole key
-chunks): position p lives in column p % ring. Appending L <= ring - window
+`ring` columns (the window plus the largest append, rounded to whole
+pages): position p lives in column p % ring. Appending L <= ring - window
 tokens never overwrites a position a query of the block or a later one can see
 (the oldest still visible is end - window + 1), and a rejected verify tail
 only overwrote positions already outside every later query's window, so rewind
@@ -47,17 +47,23 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlx_tandem.kv.attention import KEY_CHUNK, Packed, block_attention, invariant_attention
+from mlx_tandem.kv.attention import (
+    KEY_CHUNK,
+    KEY_SPAN,
+    Packed,
+    block_attention,
+    invariant_attention,
+)
 from mlx_tandem.kv.codec import FP, KVCodec, VectorCodec
 
-PAGE = 256  # capacity grows in whole pages
-SPAN = KEY_CHUNK  # attention reads key columns in whole chunks
+PAGE = 256  # capacity grows in whole pages (whole key chunks)
+assert PAGE % KEY_CHUNK == 0 and KEY_CHUNK % KEY_SPAN == 0
 
 Parts = tuple[mx.array, ...]
 
 
-def _span(width: int) -> int:
-    return -(-width // SPAN) * SPAN
+def _whole(width: int, unit: int) -> int:
+    return -(-width // unit) * unit
 
 
 def _grow(parts: Parts | None, like: Parts, grow: int) -> Parts:
@@ -69,8 +75,8 @@ def _grow(parts: Parts | None, like: Parts, grow: int) -> Parts:
 
 def ring_size(window: int, reach: int) -> int:
     """Columns a sliding layer keeps: its window plus the most tokens one append may bring
-    (a prefill chunk, a verify block), in whole key chunks (so also in whole pages)."""
-    return _span(window + reach)
+    (a prefill chunk, a verify block), in whole pages."""
+    return _whole(window + reach, PAGE)
 
 
 class RowKVCache:
@@ -97,9 +103,10 @@ class RowKVCache:
         window = window_size if window_size is not None else self.window
         return self._valid(self.ends, N, window)
 
-    def _width(self, used: int) -> int:
-        """Key columns attention reads when the widest row holds `used` positions."""
-        return _span(used) if self.ring is None else min(self.ring, _span(used))
+    def _width(self, used: int, unit: int = KEY_SPAN) -> int:
+        """Key columns attention scores when the widest row holds `used` positions (whole
+        spans); with unit=KEY_CHUNK, the value columns its `p v` reads (whole chunks)."""
+        return _whole(used, unit) if self.ring is None else min(self.ring, _whole(used, unit))
 
     def _held(self, last: mx.array, width: int) -> mx.array:
         """(B, 1, W) position each column holds for rows whose last written position is
@@ -129,20 +136,26 @@ class RowKVCache:
         self.dtype = keys.dtype
         kp, vp = self.codec.key.encode(keys), self.codec.value.encode(values)
         width = self._width(max(self.ends) + L)
-        self._reserve(width, kp, vp)
+        self._reserve(self._width(max(self.ends) + L, KEY_CHUNK), kp, vp)
         assert self.kparts is not None and self.vparts is not None
         cols = self._columns(L)
         self.kparts = tuple(self._scatter(b, n, cols) for b, n in zip(self.kparts, kp, strict=True))
         self.vparts = tuple(self._scatter(b, n, cols) for b, n in zip(self.vparts, vp, strict=True))
         self.ends = [e + L for e in self.ends]
         if self.codec.is_fp:
-            return self._decoded(width)
+            self._handed = self.kparts[0][:, :, :width], self.vparts[0][:, :, :width]
+            return self._handed
         # A quantized cache hands the model stand-ins of the decoded K/V's shape: its
         # attention reads the stored parts (`attend`), so no step builds a decode of
         # every column that nothing evaluates.
         self._handed = tuple(mx.zeros((B, x.shape[1], width, x.shape[3]), x.dtype)
                              for x in (keys, values))  # one lazy op each, never evaluated
         return self._handed
+
+    def _chunked(self) -> int:
+        """Value columns the rows attention's `p v` reads (whole key chunks; the columns past
+        the scored keys weigh 0)."""
+        return self._width(max(self.ends), KEY_CHUNK)
 
     def _fits(self, L: int) -> bool:
         """Whether appending L tokens keeps every position a query can still see."""
@@ -198,6 +211,8 @@ class RowKVCache:
             )
         if not self.codec.is_fp:
             keys, values = self._stored(keys, values, block)
+        elif not block and self._handed and values is self._handed[1]:
+            values = self.vparts[0][:, :, : self._chunked()]  # p v reads whole key chunks
         queries = self.codec.key.rotate(queries)
         if block:
             assert len(self.ends) == 1, "block attention is for one row's own prefill"
@@ -217,9 +232,10 @@ class RowKVCache:
                 "returned; this model changes them first: use --kv-codec fp for it"
             )
         assert self.kparts is not None and self.vparts is not None
-        width, used = keys.shape[2], max(self.ends)
+        used, scored = max(self.ends), keys.shape[2]
         out: list[mx.array | Packed] = []
-        for c, parts in ((self.codec.key, self.kparts), (self.codec.value, self.vparts)):
+        for c, parts, width in ((self.codec.key, self.kparts, scored),
+                                (self.codec.value, self.vparts, scored if block else self._chunked())):
             packed = None if block else c.packed(tuple(p[:, :, :width] for p in parts))
             out.append(self._decode(c, parts, width, used) if packed is None else packed)
         return out[0], out[1]

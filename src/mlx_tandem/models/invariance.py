@@ -9,9 +9,10 @@ A fast BLAS picks kernels by shape. Measured here, two regimes exist:
     (rows 0-5 and 6-11 of a 48-row tile differ), but calls of at most c rows
     all equal the one-row result — split calls into pieces of at most c rows.
     The turned form `(W @ x.T).T` puts the rows on the BLAS call's other side,
-    where (measured here) calls of up to 30 rows all equal the one-row result:
-    calls wider than c rows run turned, in pieces of at most `wide` rows, so
-    16 rows stream each weight once instead of twice.
+    where (measured here) calls of 1 to 30 rows all equal the one-row result:
+    calls run turned, in pieces of at most `wide` rows, from the row count at
+    which the probe timed it faster (every layer projection here; the LM head
+    past c rows), so 16 rows stream each weight once instead of twice.
 `probe_plan` measures a projection once and returns its `RowPlan`.
 `row_stable(model)` returns a copy of the module tree (sharing every weight
 array) whose projections follow their plans and whose attention layers run the
@@ -31,6 +32,8 @@ the engine exactness tests (tests/test_engine.py).
 from __future__ import annotations
 
 import copy
+import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -57,14 +60,16 @@ class RowPlan:
 
     pad_to: int = 1  # large-call regime: calls with fewer rows are padded to this many
     chunk: int = 0  # small-call regime (> 0): calls are split into pieces of <= chunk rows
-    wide: int = 0  # small-call regime, turned form: calls of > chunk rows run turned, <= wide
+    wide: int = 0  # small-call regime, turned form: exact for calls of 1 .. wide rows
+    turned_from: int = 0  # calls of this many rows or more run turned (pieces <= wide); 0: never
 
 
 def probe_plan(
     fn: Fn, in_dims: int, dtype: mx.Dtype = mx.float32, turned: Fn | None = None
 ) -> RowPlan:
     """Measure fn's regime: the padding from which rows are stable, else the largest exact chunk
-    (and, given fn's turned form, the largest row count from which every turned call is exact)."""
+    (and, given fn's turned form, up to how many rows every turned call is exact and from
+    which row count it is the faster form, timed here: either form gives the same rows)."""
     x = mx.random.normal((REFERENCE_ROWS, in_dims), key=mx.random.key(in_dims)).astype(dtype)
     ref = fn(x)
     mx.eval(ref)
@@ -77,8 +82,32 @@ def probe_plan(
     reach = MAX_WIDE if turned is not None else MAX_CHUNK
     single = mx.concatenate([fn(x[i : i + 1]) for i in range(reach + 3)])
     chunk = _exact_up_to(fn, x, single, 1, MAX_CHUNK)
-    wide = _exact_up_to(turned, x, single, chunk, MAX_WIDE) if turned is not None else chunk
-    return RowPlan(chunk=chunk, wide=wide if wide > chunk else 0)
+    wide = _exact_up_to(turned, x, single, 0, MAX_WIDE) if turned is not None else 0
+    if turned is None or wide <= chunk:
+        return RowPlan(chunk=chunk)
+    return RowPlan(chunk=chunk, wide=wide, turned_from=_faster_from(fn, turned, x, chunk))
+
+
+def _faster_from(fn: Fn, turned: Fn, x: mx.array, chunk: int) -> int:
+    """The fewest rows from which the turned form is the faster one at every probed count up
+    to `chunk` (chunk + 1: only where calls would otherwise split)."""
+    counts = [r for r in (1, 2, 4, 8) if r < chunk] + [chunk]
+    start = chunk + 1
+    for rows in reversed(counts):
+        if _seconds(turned, x[:rows]) >= _seconds(fn, x[:rows]):
+            break
+        start = rows
+    return start
+
+
+def _seconds(fn: Fn, x: mx.array, repeats: int = 5) -> float:
+    mx.eval(fn(x))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval(fn(x))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _exact_up_to(fn: Fn, x: mx.array, single: mx.array, start: int, most: int) -> int:
@@ -128,16 +157,16 @@ def follow_plan(fn: Fn, plan: RowPlan, block: BlockMode, turned: Fn | None = Non
     """fn over (..., in) with the plan's padding or splitting applied to the flattened rows."""
     if plan.pad_to <= 1 and plan.chunk == 0:
         return fn
-    if plan.wide:
+    if plan.turned_from:
         assert turned is not None, "a plan with a turned form needs that form"
 
     def planned(x: mx.array) -> mx.array:
         lead, rows = x.shape[:-1], x.size // x.shape[-1]
         flat = x.reshape(rows, x.shape[-1])
-        if plan.chunk and rows > plan.chunk and not block.on:
-            call, most = (turned, plan.wide) if plan.wide else (fn, plan.chunk)
-            size = -(-rows // -(-rows // most))  # even pieces: every size <= most is exact
-            y = mx.concatenate([call(flat[i : i + size]) for i in range(0, rows, size)])
+        if plan.turned_from and rows >= plan.turned_from and not block.on:
+            y = _pieces(turned, flat, plan.wide)
+        elif plan.chunk and rows > plan.chunk and not block.on:
+            y = _pieces(fn, flat, plan.chunk)
         elif rows < plan.pad_to:
             zeros = mx.zeros((plan.pad_to - rows, x.shape[-1]), x.dtype)
             y = fn(mx.concatenate([flat, zeros]))[:rows]
@@ -146,6 +175,15 @@ def follow_plan(fn: Fn, plan: RowPlan, block: BlockMode, turned: Fn | None = Non
         return y.reshape(*lead, y.shape[-1])
 
     return planned
+
+
+def _pieces(fn: Fn, flat: mx.array, most: int) -> mx.array:
+    """fn over flat's rows in even pieces of at most `most` rows (every such size is exact)."""
+    rows = flat.shape[0]
+    if rows <= most:
+        return fn(flat)
+    size = -(-rows // -(-rows // most))
+    return mx.concatenate([fn(flat[i : i + size]) for i in range(0, rows, size)])
 
 
 class RowStableProjection(nn.Module):
