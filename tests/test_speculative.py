@@ -365,3 +365,26 @@ def test_deterministic_drafts_take_exactly_the_plain_keyed_sample(tiny_vocab):
         else:
             assert (v.accepted, v.tokens) == (0, a.tokens)
     assert 50 < accepted < 350
+
+
+def test_greedy_picks_are_the_logprobs_argmax_even_when_rounding_ties_them(tiny_vocab, monkeypatch):
+    """Greedy rows without processors skip the log-softmax and take the raw argmax, except
+    where a rival logit is within TIE_MARGIN: there `x - lse` can round two logits to one
+    logprob, and the logprobs' argmax (plain decoding's pick, the first of the tied) wins.
+    Slot 0: logits 1.0 at 0 and the next float above it at 5 tie after the subtraction;
+    slot 1: a clear top logit at 7. Without the margin the raw pick (5) is taken instead."""
+    V = 50_000
+    x = np.zeros((1, 2, V), np.float32)
+    x[0, 0, 0], x[0, 0, 5] = 1.0, np.nextafter(np.float32(1.0), np.float32(2.0))
+    x[0, 1, 7] = 3.0
+    logits = mx.array(x)
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    assert mx.argmax(lp, axis=-1).tolist() == [[0, 7]] and mx.argmax(logits, -1).tolist() == [[5, 7]]
+    params = SamplingParams(max_tokens=4)
+    request = Request(list(PROMPT), params, RowSampler(params, V),
+                      RowOutput(tiny_vocab.tokenizer, (), set(), 4))
+    (verdict,) = verify_module.verify([request], logits, [[0]], [None])
+    assert (verdict.accepted, verdict.tokens) == (1, [0, 7])
+    monkeypatch.setattr(verify_module, "TIE_MARGIN", 0.0)
+    (raw,) = verify_module.verify([request], logits, [[0]], [None])
+    assert raw.tokens == [5]

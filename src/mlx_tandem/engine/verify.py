@@ -18,6 +18,10 @@ includes d_1..d_j, then truncation filters and temperature).
     when u * q_j(d_{j+1}) <= p_j(d_{j+1}), u ~ U(0,1); on rejection draw from
     normalize(max(0, p_j - q_j)); after a full accept draw the bonus from p_k.
     Ratios in float32.
+Greedy rows without processors never need the log-softmax (a pass of `exp` over
+the vocabulary per slot, the largest cost of a batched step's verify on a CPU):
+their pick is the argmax of the raw logits, which is the argmax of the logprobs
+unless another logit lies within TIE_MARGIN of the top one (`_greedy_picks`).
 Randomness is keyed by (seed, absolute position, purpose), so a row's outcome
 never depends on the batch, and a row with no proposals draws exactly the
 token plain decoding draws. All rows are decided with batched ops (rows that
@@ -47,6 +51,13 @@ class Verdict:
     logprobs: list[mx.array]  # per emitted token, its slot's processed logprobs (1, V)
 
 
+# x - lse rounds monotonically in x, so the raw argmax is never beaten, only tied: two logits
+# whose logprobs round to one value differ by less than one ulp of a logprob in [-log V, 0],
+# at most 2^-20 for any vocabulary under 2^23 tokens. A slot with a rival within this margin
+# takes the argmax of its logprobs.
+TIE_MARGIN = 2.0**-16
+
+
 def accept_draft(u: mx.array, p_d: mx.array, q_d: mx.array) -> mx.array:
     """The rejection rule: accept d with probability min(1, p(d) / q(d)), as u * q(d) <= p(d)."""
     return u * q_d <= p_d
@@ -55,9 +66,7 @@ def accept_draft(u: mx.array, p_d: mx.array, q_d: mx.array) -> mx.array:
 def slot_logprobs(requests: list[Request], logits: mx.array, drafts: list[list[int]]) -> mx.array:
     """Processed logprobs (B, S, V): log-softmax, after each row's processors where it has any."""
     out = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    special = [
-        i for i, r in enumerate(requests) if r.sampler.needs_history and r.history is not None
-    ]
+    special = [i for i, r in enumerate(requests) if _processed(r)]
     if not special:
         return out
     rows = [out[i] for i in range(len(requests))]
@@ -70,6 +79,35 @@ def slot_logprobs(requests: list[Request], logits: mx.array, drafts: list[list[i
             slots.append(r.sampler.logprobs(logits[i, j : j + 1], history))
         rows[i] = mx.concatenate(slots)
     return mx.stack(rows)
+
+
+def _greedy_picks(
+    requests: list[Request], logits: mx.array, lp: mx.array
+) -> tuple[mx.array, mx.array]:
+    """Each slot's candidate argmax (B, S) and whether it is unsure (B, S): rows with
+    processors take their logprobs' argmax (never unsure); other rows the raw logits'
+    argmax, unsure where a rival logit lies within TIE_MARGIN of it (`_settled`)."""
+    processed = [_processed(r) for r in requests]
+    raw = mx.argmax(logits, axis=-1)
+    top = mx.take_along_axis(logits, raw[..., None], axis=-1)
+    unsure = ((logits >= top - TIE_MARGIN).sum(axis=-1) > 1) | ~mx.isfinite(top[..., 0])
+    if not any(processed):
+        return raw, unsure
+    picks = mx.stack([mx.argmax(lp[i], axis=-1) if p else raw[i] for i, p in enumerate(processed)])
+    return picks, unsure & ~mx.array(processed)[:, None]
+
+
+def _settled(picks: list[list[int]], unsure: list[list[bool]], lp: mx.array) -> list[list[int]]:
+    """The unsure slots (rare) decided on their logprobs."""
+    for i, (row, flags) in enumerate(zip(picks, unsure, strict=True)):
+        if any(flags):
+            exact = mx.argmax(lp[i], axis=-1).tolist()
+            picks[i] = [e if f else p for p, e, f in zip(row, exact, flags, strict=True)]
+    return picks
+
+
+def _processed(r: Request) -> bool:
+    return r.sampler.needs_history and r.history is not None
 
 
 def _draw(keys: mx.array, logits: mx.array) -> mx.array:
@@ -133,8 +171,7 @@ def verify(
     applied before anything else, exactly as plain constrained decoding applies them."""
     if allowed is not None:
         logits = mx.where(allowed, logits, -mx.inf)
-    lp = slot_logprobs(requests, logits, drafts)
-    argmax = mx.argmax(lp, axis=-1)
+    lp = slot_logprobs(requests, logits, drafts)  # lazy: greedy rows may never need it
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, r in enumerate(requests):
         if not r.sampler.params.greedy:
@@ -145,7 +182,9 @@ def verify(
         decided[tuple(idx)] = _sampled(
             [requests[i] for i in idx], lp[ix], [drafts[i] for i in idx], [q[i] for i in idx]
         )
-    host_argmax = argmax.tolist()  # evaluates everything above too
+    picks, unsure = _greedy_picks(requests, logits, lp)
+    mx.eval(picks, unsure, *(x for arrays in decided.values() for x in arrays))  # one host sync
+    host_argmax = _settled(picks.tolist(), unsure.tolist(), lp)
     per_row: dict[int, tuple[list[bool], list[int], list[int]]] = {}
     for idx, (accept, draws, bonus) in decided.items():
         a, dr, bo = accept.tolist(), draws.tolist(), bonus.tolist()
