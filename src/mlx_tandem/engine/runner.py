@@ -33,7 +33,7 @@ from mlx_tandem.kv.recurrent import unrewindable
 from mlx_tandem.kv.row_cache import RowKVCache
 from mlx_tandem.kv.state_rows import StateRows
 from mlx_tandem.models.graph import MlxLmGraph, Which, bind_graph
-from mlx_tandem.models.invariance import follow_plan, probe_plan, row_stable
+from mlx_tandem.models.invariance import follow_plan, head_planned, probe_plan, row_stable
 from mlx_tandem.models.loader import LoadedModel
 
 
@@ -52,8 +52,9 @@ class ModelRunner:
         if batch_invariant:
             stable, _ = row_stable(model.model, self.block)
             self.graph: MlxLmGraph = bind_graph(stable)
-            head_plan = probe_plan(self.graph.head, self.hidden_size)
-            self.graph.head = follow_plan(self.graph.head, head_plan, self.block)
+            if not head_planned(stable):  # e.g. a tied quantized embedding
+                head_plan = probe_plan(self.graph.head, self.hidden_size)
+                self.graph.head = follow_plan(self.graph.head, head_plan, self.block)
         else:
             self.graph = model.graph
         if self.kv_spec.kind != "fp":

@@ -42,13 +42,16 @@ import mlx.nn as nn
 
 from mlx_tandem.kv.attention import BlockMode
 from mlx_tandem.kv.state_rows import rows_model
-from mlx_tandem.models.graph import is_tied
+from mlx_tandem.models.graph import backbone_path, is_tied
 
 PROBE_ROWS = (*range(1, 33), 40, 48, 64, 96, 128, 144, 160, 192)
 REFERENCE_ROWS = 256
 MAX_PAD = 64  # beyond this, padding costs more than splitting
 MAX_CHUNK = 16
-MAX_WIDE = 64
+MAX_WIDE = 32
+# Plans measured in this process, by projection kind and shape: a plan depends on the BLAS
+# and the shape only (never on weight values), and probing a 262k-row head costs seconds.
+_MEASURED: dict[tuple, RowPlan] = {}
 PROJECTIONS = (nn.Linear, nn.QuantizedLinear)
 
 Fn = Callable[[mx.array], mx.array]
@@ -82,7 +85,7 @@ def probe_plan(
     reach = MAX_WIDE if turned is not None else MAX_CHUNK
     single = mx.concatenate([fn(x[i : i + 1]) for i in range(reach + 3)])
     chunk = _exact_up_to(fn, x, single, 1, MAX_CHUNK)
-    wide = _exact_up_to(turned, x, single, 0, MAX_WIDE) if turned is not None else 0
+    wide = _exact_up_to(turned, x, single, 0, MAX_WIDE, (3,)) if turned is not None else 0
     if turned is None or wide <= chunk:
         return RowPlan(chunk=chunk)
     return RowPlan(chunk=chunk, wide=wide, turned_from=_faster_from(fn, turned, x, chunk))
@@ -91,7 +94,7 @@ def probe_plan(
 def _faster_from(fn: Fn, turned: Fn, x: mx.array, chunk: int) -> int:
     """The fewest rows from which the turned form is the faster one at every probed count up
     to `chunk` (chunk + 1: only where calls would otherwise split)."""
-    counts = [r for r in (1, 2, 4, 8) if r < chunk] + [chunk]
+    counts = [r for r in (1, 4) if r < chunk] + [chunk]
     start = chunk + 1
     for rows in reversed(counts):
         if _seconds(turned, x[:rows]) >= _seconds(fn, x[:rows]):
@@ -100,7 +103,7 @@ def _faster_from(fn: Fn, turned: Fn, x: mx.array, chunk: int) -> int:
     return start
 
 
-def _seconds(fn: Fn, x: mx.array, repeats: int = 5) -> float:
+def _seconds(fn: Fn, x: mx.array, repeats: int = 3) -> float:
     mx.eval(fn(x))
     times = []
     for _ in range(repeats):
@@ -110,11 +113,13 @@ def _seconds(fn: Fn, x: mx.array, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def _exact_up_to(fn: Fn, x: mx.array, single: mx.array, start: int, most: int) -> int:
+def _exact_up_to(
+    fn: Fn, x: mx.array, single: mx.array, start: int, most: int, offsets: tuple = (0, 3)
+) -> int:
     """The largest n <= most such that fn's calls of start+1 .. n rows equal one-row results."""
     n = start
     while n < most and all(
-        mx.array_equal(fn(x[s : s + n + 1]), single[s : s + n + 1]).item() for s in (0, 3)
+        mx.array_equal(fn(x[s : s + n + 1]), single[s : s + n + 1]).item() for s in offsets
     ):
         n += 1
     return n
@@ -224,19 +229,21 @@ def stable_projections(
     """A copy of `model` (sharing every array) whose projections (and, for a tied head, the
     float embedding's `as_linear`) follow their probed plans."""
     plans: dict[tuple, RowPlan] = {}
-    tied = is_tied(model)
+    head = _token_embedding(model) if is_tied(model) else None
 
     def plan(m: nn.Module, fn: Fn) -> RowPlan:
-        key = (type(m).__name__, tuple(m.weight.shape), getattr(m, "bits", None), "bias" in m)
-        if key not in plans:
-            plans[key] = probe_plan(fn, _in_dims(m), _dtype(m), turned_form(m))
+        key = (type(m).__name__, tuple(m.weight.shape), getattr(m, "bits", None), "bias" in m,
+               str(_dtype(m)))
+        if key not in _MEASURED:
+            _MEASURED[key] = probe_plan(fn, _in_dims(m), _dtype(m), turned_form(m))
+        plans[key] = _MEASURED[key]
         return plans[key]
 
     def rebuild(module: nn.Module) -> nn.Module:
         if isinstance(module, PROJECTIONS):
             p = plan(module, module)
             return module if p == RowPlan() else RowStableProjection(module, p, block)
-        if tied and type(module) is nn.Embedding:
+        if module is head and type(module) is nn.Embedding:
             return _stable_embedding(module, plan(module, module.as_linear), block)
         out = copy.copy(module)  # shares arrays; children replaced below, never mutated
         for key, value in module.items():
@@ -247,6 +254,21 @@ def stable_projections(
         return out
 
     return rebuild(model), plans
+
+
+def _token_embedding(model: nn.Module) -> nn.Module | None:
+    backbone = model
+    for name in backbone_path(model):
+        backbone = backbone[name]
+    return next((backbone[n] for n in ("embed_tokens", "embeddings") if n in backbone), None)
+
+
+def head_planned(stable: nn.Module) -> bool:
+    """Whether `stable_projections` already planned the LM head's matmul: a tied float
+    embedding's `as_linear`, or an `lm_head` projection (its plan may be to do nothing)."""
+    if is_tied(stable):
+        return isinstance(_token_embedding(stable), RowStableEmbedding)
+    return isinstance(stable.get("lm_head"), (*PROJECTIONS, RowStableProjection))
 
 
 def row_stable(
