@@ -50,7 +50,7 @@ class ModelRunner:
         self.hidden_size = int(model.config.get("hidden_size") or embed.weight.shape[-1])
         self.hidden_dtype = getattr(embed, "scales", embed.weight).dtype
         if batch_invariant:
-            stable, _ = row_stable(model.model, self.block)
+            stable, _ = row_stable(model.model, self.block, model.row_plans)
             self.graph: MlxLmGraph = bind_graph(stable)
             if not head_planned(stable):  # e.g. a tied quantized embedding
                 head_plan = probe_plan(self.graph.head, self.hidden_size)

@@ -84,17 +84,20 @@ def slot_logprobs(requests: list[Request], logits: mx.array, drafts: list[list[i
 def _greedy_picks(
     requests: list[Request], logits: mx.array, lp: mx.array
 ) -> tuple[mx.array, mx.array]:
-    """Each slot's candidate argmax (B, S) and whether it is unsure (B, S): rows with
-    processors take their logprobs' argmax (never unsure); other rows the raw logits'
-    argmax, unsure where a rival logit lies within TIE_MARGIN of it (`_settled`)."""
-    processed = [_processed(r) for r in requests]
+    """Each greedy slot's candidate argmax (B, S) and whether it is unsure (B, S): greedy
+    rows with processors take their logprobs' argmax; other greedy rows the raw logits'
+    argmax, unsure where a rival logit lies within TIE_MARGIN of it (`_settled`). Sampled
+    rows' entries are never read (never unsure)."""
+    greedy = [r.sampler.params.greedy for r in requests]
+    processed = [g and _processed(r) for g, r in zip(greedy, requests, strict=True)]
     raw = mx.argmax(logits, axis=-1)
     top = mx.take_along_axis(logits, raw[..., None], axis=-1)
     unsure = ((logits >= top - TIE_MARGIN).sum(axis=-1) > 1) | ~mx.isfinite(top[..., 0])
+    plain = mx.array([g and not p for g, p in zip(greedy, processed, strict=True)])[:, None]
     if not any(processed):
-        return raw, unsure
+        return raw, unsure & plain
     picks = mx.stack([mx.argmax(lp[i], axis=-1) if p else raw[i] for i, p in enumerate(processed)])
-    return picks, unsure & ~mx.array(processed)[:, None]
+    return picks, unsure & plain
 
 
 def _settled(picks: list[list[int]], unsure: list[list[bool]], lp: mx.array) -> list[list[int]]:

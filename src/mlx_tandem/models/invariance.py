@@ -49,9 +49,6 @@ REFERENCE_ROWS = 256
 MAX_PAD = 64  # beyond this, padding costs more than splitting
 MAX_CHUNK = 16
 MAX_WIDE = 32
-# Plans measured in this process, by projection kind and shape: a plan depends on the BLAS
-# and the shape only (never on weight values), and probing a 262k-row head costs seconds.
-_MEASURED: dict[tuple, RowPlan] = {}
 PROJECTIONS = (nn.Linear, nn.QuantizedLinear)
 
 Fn = Callable[[mx.array], mx.array]
@@ -224,19 +221,20 @@ def _stable_embedding(module: nn.Embedding, plan: RowPlan, block: BlockMode) -> 
 
 
 def stable_projections(
-    model: nn.Module, block: BlockMode
+    model: nn.Module, block: BlockMode, plans: dict[tuple, RowPlan] | None = None
 ) -> tuple[nn.Module, dict[tuple, RowPlan]]:
     """A copy of `model` (sharing every array) whose projections (and, for a tied head, the
-    float embedding's `as_linear`) follow their probed plans."""
-    plans: dict[tuple, RowPlan] = {}
+    float embedding's `as_linear`) follow their probed plans. `plans` (kind and shape ->
+    plan; filled in here) lets later copies of the same model skip the probes: a plan
+    depends on the BLAS and the shape only, and probing a 262k-row head takes seconds."""
+    plans = {} if plans is None else plans
     head = _token_embedding(model) if is_tied(model) else None
 
     def plan(m: nn.Module, fn: Fn) -> RowPlan:
         key = (type(m).__name__, tuple(m.weight.shape), getattr(m, "bits", None), "bias" in m,
                str(_dtype(m)))
-        if key not in _MEASURED:
-            _MEASURED[key] = probe_plan(fn, _in_dims(m), _dtype(m), turned_form(m))
-        plans[key] = _MEASURED[key]
+        if key not in plans:
+            plans[key] = probe_plan(fn, _in_dims(m), _dtype(m), turned_form(m))
         return plans[key]
 
     def rebuild(module: nn.Module) -> nn.Module:
@@ -272,11 +270,11 @@ def head_planned(stable: nn.Module) -> bool:
 
 
 def row_stable(
-    model: nn.Module, block: BlockMode | None = None
+    model: nn.Module, block: BlockMode | None = None, plans: dict[tuple, RowPlan] | None = None
 ) -> tuple[nn.Module, dict[tuple, RowPlan]]:
     """The rows engine's copy of `model` (projections following their plans, attention routed
-    to the row caches) and the plans. Raises ValueError for a model with an attention layer
-    that does not route."""
+    to the row caches) and the plans (`plans`: see stable_projections). Raises ValueError for
+    a model with an attention layer that does not route."""
     block = block or BlockMode()
-    stable, plans = stable_projections(model, block)
+    stable, plans = stable_projections(model, block, plans)
     return rows_model(stable, block), plans

@@ -25,7 +25,7 @@ import re
 import shutil
 import struct
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,9 @@ class LoadedModel:
     config: dict[str, Any]
     graph: MlxLmGraph
     dtype: str
+    # the rows engine's projection plans, probed once for these weights' shapes by the
+    # first engine (models/invariance.stable_projections): (kind, shape, ...) -> RowPlan
+    row_plans: dict[tuple, Any] = field(default_factory=dict)
 
     @property
     def context_length(self) -> int:
