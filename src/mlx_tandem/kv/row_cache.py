@@ -179,13 +179,13 @@ class RowKVCache:
             return buf
         return mx.put_along_axis(buf, mx.broadcast_to(cols, new.shape), new, axis=2)
 
-    def _decoded(self, width: int) -> tuple[mx.array, mx.array]:
-        """Columns [0, width) decoded, in the codec's attention space."""
+    def _decoded(self, width: int, used: int | None = None) -> tuple[mx.array, mx.array]:
+        """Columns [0, width) decoded, in the codec's attention space (`used`: see _decode)."""
         assert self.kparts is not None and self.vparts is not None
         if self.codec.is_fp:
             return self.kparts[0][:, :, :width], self.vparts[0][:, :, :width]
-        return (self._decode(self.codec.key, self.kparts, width, None),
-                self._decode(self.codec.value, self.vparts, width, None))
+        return (self._decode(self.codec.key, self.kparts, width, used),
+                self._decode(self.codec.value, self.vparts, width, used))
 
     def _decode(self, codec: VectorCodec, parts: Parts, width: int, used: int | None) -> mx.array:
         """One tensor's columns [0, width) decoded. Only the `used` columns are decoded and
