@@ -8,6 +8,11 @@ questions), `grounded` (rewrite a given passage: the output copies the input) an
 `--tokens` tokens and reports generated tok/s counted from each response's `usage`
 (`stream_options.include_usage`; SSE chunks hide multi-token steps), time to first token
 p50/p95, inter-token latency p50 and failed requests (errors, or a stream without usage).
+All servers run at once (idle, each takes no CPU) and every load runs `--rounds` times
+per server, the servers' order rotated each round, so drift over the run (this VM's
+speed moves by ±10%) does not favour whichever server ran first; medians are reported
+and failures summed. Every server sees the same prompts in the same order, so prompt
+caches (mlx_lm.server's, tandem's prefix caches) warm up alike.
 
     .venv/bin/python bench/serve_load.py --model smollm2-135m --tokens 64
 """
@@ -123,6 +128,8 @@ def main() -> None:
     ap.add_argument("--clients", default="1,8,32")
     ap.add_argument("--loads", default="chat,grounded,mixed")
     ap.add_argument("--only", default="", help="run only servers whose name contains this")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="runs per server and load, servers interleaved in rotating order")
     args = ap.parse_args()
     folder = load(args.model, dtype=args.dtype, progress=False).path  # prepared mlx-lm folder
     py = sys.executable
@@ -137,24 +144,36 @@ def main() -> None:
     }
     loads = args.loads.split(",")
     clients_list = [int(c) for c in args.clients.split(",")]
-    print(machine_line(f"server load, {args.model} ({folder.name}), {args.tokens} tokens/request"))
+    print(machine_line(f"server load, {args.model} ({folder.name}), {args.tokens} tokens/request, "
+                       f"median of {args.rounds} interleaved rounds"))
     print("| load | server | clients | tok/s (usage) | TTFT p50 s | TTFT p95 s | ITL p50 ms "
           "| failed |")
     print("|---|---|---|---|---|---|---|---|")
     results: dict[tuple[str, str, int], dict] = {}
-    for name, cmd in servers.items():
-        if args.only not in name:
-            continue
-        port = free_port()
-        proc = start(cmd(port), port)
-        try:
-            asyncio.run(load_test(port, 1, 4, prompts("chat")))  # warm-up
-            for kind, clients in itertools.product(loads, clients_list):
-                r = asyncio.run(load_test(port, clients, args.tokens, prompts(kind)))
-                results[kind, name, clients] = r
-                print(f"| {kind} | {name} | {clients} | {r['tps']:.1f} | {r['ttft50']:.2f} | "
-                      f"{r['ttft95']:.2f} | {1000 * r['itl50']:.0f} | {r['failed']} |", flush=True)
-        finally:
+    names = [n for n in servers if args.only in n]
+    procs: dict[str, subprocess.Popen] = {}
+    ports: dict[str, int] = {}
+    try:
+        for name in names:  # all up at once (idle servers take no CPU): rounds interleave
+            ports[name] = free_port()
+            procs[name] = start(servers[name](ports[name]), ports[name])
+            asyncio.run(load_test(ports[name], 1, 4, prompts("chat")))  # warm-up
+        for kind, clients in itertools.product(loads, clients_list):
+            runs: dict[str, list[dict]] = {n: [] for n in names}
+            for r in range(args.rounds):  # each round rotates the servers' order
+                for name in names[r % len(names):] + names[: r % len(names)]:
+                    runs[name].append(asyncio.run(load_test(ports[name], clients, args.tokens,
+                                                            prompts(kind))))
+            for name in names:
+                res = {k: statistics.median(x[k] for x in runs[name])
+                       for k in ("tps", "ttft50", "ttft95", "itl50")}
+                res["failed"] = sum(x["failed"] for x in runs[name])
+                results[kind, name, clients] = res
+                print(f"| {kind} | {name} | {clients} | {res['tps']:.1f} | {res['ttft50']:.2f} | "
+                      f"{res['ttft95']:.2f} | {1000 * res['itl50']:.0f} | {res['failed']} |",
+                      flush=True)
+    finally:
+        for proc in procs.values():
             proc.terminate()
             proc.wait(timeout=60)
     print("\n| load | clients | defaults / none | defaults / mlx_lm.server | TTFT p50 defaults "

@@ -55,6 +55,28 @@ def test_wide_calls_run_turned_and_each_row_keeps_its_one_row_result(bias):
     assert not mx.array_equal(too_wide(x[:MAX_WIDE]), alone[:MAX_WIDE]).item()
 
 
+def test_packed_calls_give_a_prompt_the_same_rows_at_every_aligned_offset():
+    """Prompts prefilled together run in packed calls (exactly `pack` rows, zero-padded):
+    a prompt laid out at any multiple of the period, among any other rows, gets the rows
+    it gets alone. Laying it out off the period is not exact (the negative control)."""
+    layer = nn.Linear(576, 1536, bias=False)
+    plan = probe_plan(layer, 576, turned=turned_form(layer), packable=True)
+    assert plan.pack and 1 < plan.period < plan.pack and plan.pack % plan.period == 0, plan
+    planned = follow_plan(layer, plan, BlockMode(packed=True), turned_form(layer))
+    prompt = mx.random.normal((23, 576), key=mx.random.key(3))
+    others = mx.random.normal((2 * plan.pack, 576), key=mx.random.key(4))
+    alone = planned(prompt)
+
+    def placed(offset: int) -> mx.array:
+        rows = mx.concatenate([others[:offset], prompt, others[offset:]])
+        return planned(rows)[offset : offset + 23]
+
+    for offset in range(0, 2 * plan.pack, plan.period):  # spans two calls at some offsets
+        assert mx.array_equal(placed(offset), alone).item(), offset
+    misaligned = [placed(k * plan.period + 1) for k in range(4)]
+    assert any(not mx.array_equal(m, alone).item() for m in misaligned)
+
+
 def test_without_a_plan_a_rows_result_depends_on_the_call():
     """Why plans exist: on this BLAS one row's `x @ W.T` changes with the call's row count
     (or its position in the call) for SmolLM2-sized projections."""

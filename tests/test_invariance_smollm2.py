@@ -99,3 +99,27 @@ def test_rows_past_the_exact_chunk_decode_as_they_do_alone(smollm2):
     assert q_proj.plan.chunk < 20 <= q_proj.plan.wide, q_proj.plan
     questions = [f"{q} Answer in {n} words." for q in QUESTIONS for n in (5, 10, 20, 40, 80, 160, 320)]
     assert all(_alone_vs_batched(smollm2, batch_invariant=True, steps=2, questions=questions[:20]))
+
+
+def _prefilled_together(runner, prompts: list[list[int]]) -> list[mx.array]:
+    """Each prompt's hidden states, prefilled together in one (packed) forward."""
+    width = max(len(p) for p in prompts)
+    ids = mx.array([p + [0] * (width - len(p)) for p in prompts], dtype=mx.int32)
+    hidden = runner.forward(runner.blank_rows(len(prompts)), ids, [len(p) for p in prompts],
+                            prefill=True)
+    return [hidden[i, : len(p)] for i, p in enumerate(prompts)]
+
+
+def test_prompts_prefilled_together_get_the_rows_they_get_alone(smollm2):
+    """Short prompts prefilled together run packed projection calls (192 rows here), each
+    prompt laid out at a multiple of the pack unit: every token's hidden state equals the
+    prompt's own prefill. Laid out off the unit (unit 1), some row differs."""
+    runner = ModelRunner(smollm2)
+    assert runner.pack_unit > 1, runner.pack_unit
+    prompts = [smollm2.encode(f"{q} Answer in {n} words.") for q in QUESTIONS for n in (5, 40)]
+    alone = [_prefilled_together(runner, [p])[0] for p in prompts]
+    together = _prefilled_together(runner, prompts)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(alone, together, strict=True))
+    runner.pack_unit = 1  # the negative control: rows at arbitrary offsets of the calls
+    off = _prefilled_together(runner, prompts)
+    assert not all(mx.array_equal(a, b).item() for a, b in zip(alone, off, strict=True))

@@ -74,6 +74,51 @@ def test_warm_rows_equal_cold_rows(tiny_model, arch):
     assert engine.scheduler.prefix_cache.stats.hits >= 5
 
 
+def short_prompts(seed: int) -> list[list[int]]:
+    """Prompts of at most one chunk (prefilled together) sharing prefixes of assorted lengths."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 250) for _ in range(40)]
+    out = [shared[:cut] + [rng.randrange(3, 250) for _ in range(tail)]
+           for cut, tail in ((40, 3), (30, 9), (13, 1), (40, 20), (0, 7), (25, 30), (40, 3))]
+    return [*out, shared[:37], shared[:37]]  # whole hits: every prefilled token cached
+
+
+def short_config(cache_bytes: int, **kw) -> RuntimeConfig:
+    return RuntimeConfig.resolve(environ={}, prefill_chunk=4096, prefix_cache_bytes=cache_bytes,
+                                 **kw)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_short_prompts_warm_equal_cold(tiny_model, arch):
+    """Prompts prefilled together start from their longest cached prefix of whole pack units
+    (engine/prefill.start_short): tokens and logprobs equal each prompt run alone without a
+    cache, joining mid-flight in groups. A cache whose blocks are not whole units puts a
+    warm row's tokens off the packed calls' period: not exact (the negative control)."""
+    model = tiny_model(arch)
+    ps = short_prompts(4)
+    cold = []
+    for i, p in enumerate(ps):
+        engine = EngineCore(model, short_config(0))
+        h = engine.submit(p, params(i))
+        engine.run_until_idle()
+        cold.append(h.result())
+    engine = EngineCore(model, short_config(1 << 30, max_rows=4))
+    cache = engine.scheduler.short_cache
+    assert cache is not None and cache.block == engine.runner.pack_unit > 1
+    warm = run_with_gaps(engine, ps + ps, [params(i) for i in range(len(ps))] * 2, seed=5)
+    assert outputs(warm) == outputs(cold) * 2
+    assert cache.stats.hits >= len(ps) and cache.stats.hit_tokens >= 8 * cache.block, cache.stats
+    if arch == "llama":
+        engine = EngineCore(model, short_config(1 << 30))
+        engine.scheduler.short_cache = PrefixCache(1 << 30, cache.block + 1)
+        again = []
+        for i, p in enumerate(ps * 2):
+            h = engine.submit(p, params(i % len(ps)))
+            engine.run_until_idle()
+            again.append(h.result())
+        assert outputs(again) != outputs(cold) * 2
+
+
 def test_speculative_rows_hit_and_stay_exact(tiny_model):
     """With prompt lookup drafting, warm rows (a full hit included) equal cold rows."""
     from mlx_tandem.drafters.prompt_lookup import PromptLookupSource

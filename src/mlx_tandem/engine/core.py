@@ -40,7 +40,9 @@ from mlx_tandem.engine.prefill import (
     PrefillPolicy,
     device_kind,
     keep_in_cache,
+    keep_short,
     start_from_cache,
+    start_short,
 )
 from mlx_tandem.engine.request import Request, RequestHandle, new_request
 from mlx_tandem.engine.runner import ModelRunner
@@ -58,6 +60,7 @@ from mlx_tandem.models.families import check_engine, recurrent_refusal
 from mlx_tandem.models.loader import LoadedModel
 
 GRAMMAR = "grammar"  # EngineStats' name for grammar-forced proposals
+SHORT_UNIT = 16  # short-prompt cache blocks where prefills are not packed (any split is exact)
 
 
 class EngineCore:
@@ -93,8 +96,11 @@ class EngineCore:
         cache_bytes = self.config.prefix_cache_bytes
         if cache_bytes is None:
             cache_bytes = prefix_cache_budget(model, budget)
-        if cache_bytes:
-            self.scheduler.prefix_cache = PrefixCache(cache_bytes, self.prefill_policy.chunk)
+        if cache_bytes:  # a quarter for short prompts, where no layer keeps recurrent state
+            short = cache_bytes // 4 if not self.runner.recurrent_layers() else 0
+            self.scheduler.prefix_cache = PrefixCache(cache_bytes - short, self.prefill_policy.chunk)
+            if short:
+                self.scheduler.short_cache = PrefixCache(short, self.runner.pack_unit or SHORT_UNIT)
         self.running: list[Request] = []
         self.rows: StateRows = self.runner.empty_rows()
         self._long_turn = False  # whether a long prompt's chunk goes next (alternation)
@@ -292,25 +298,30 @@ class EngineCore:
         return worked
 
     def _prefill_together(self, requests: list[Request]) -> None:
-        """Prefill prompts that fit one chunk in one forward and join them to the cohort."""
+        """Prefill prompts that fit one chunk in one forward (each from its longest cached
+        whole-unit prefix) and join them to the cohort."""
         try:
-            rows = self.runner.blank_rows(len(requests))
-            lengths = [len(r.prompt) - 1 for r in requests]
+            cache = self.scheduler.short_cache
+            start = start_short(cache, self.runner, requests)  # engine/prefill.py
+            lengths = [len(r.prompt) - 1 - s for r, s in zip(requests, start.starts, strict=True)]
             width = max(lengths)
-            last = self.runner.no_hidden(len(requests))
+            # a row with nothing left to prefill keeps its cached hidden (or none)
+            last = mx.concatenate([self.runner.no_hidden(1) if h is None else h
+                                   for h in start.hidden])
             if width:
                 ids = [
-                    r.prompt[:-1] + [0] * (width - n)
-                    for r, n in zip(requests, lengths, strict=True)
+                    r.prompt[s : s + n] + [0] * (width - n)
+                    for r, s, n in zip(requests, start.starts, lengths, strict=True)
                 ]
                 hidden = self.runner.forward(
-                    rows, mx.array(ids, dtype=mx.int32), lengths, prefill=True
+                    start.rows, mx.array(ids, dtype=mx.int32), lengths, prefill=True
                 )
-                mx.eval(*rows.arrays())
+                mx.eval(*start.rows.arrays())
                 picks = mx.array([max(0, n - 1) for n in lengths], dtype=mx.int32)[:, None, None]
                 seen = mx.array([n > 0 for n in lengths])[:, None]
                 last = mx.where(seen, mx.take_along_axis(hidden, picks, axis=1)[:, 0], last)
-            self._join(requests, rows, last)
+                keep_short(cache, start, requests, hidden)
+            self._join(requests, start.rows, last)
         except Exception as err:  # the cohort is untouched: the rows never joined
             for request in requests:
                 self._fail_joining(request, err)

@@ -20,11 +20,13 @@ The prefix cache's two hooks live here too (`start_from_cache`, `keep_in_cache`)
 long prompt's row looks its whole chunks up before its first chunk and, after each
 chunk it computes, offers that chunk as a block (kv/prefix_cache.py). Blocks are
 whole chunks, so a warm row's remaining chunks have a cold row's boundaries. Prompts
-of at most one chunk (prefilled together, other arithmetic) never touch the cache.
+of at most one chunk (prefilled together, packed: other arithmetic) have their own
+cache of whole pack units (`start_short`, `keep_short`), so a warm row's new tokens
+sit where a cold row's do in the packed calls.
 
 Oracle: tests/test_engine.py (chunked prefill on/off gives the same tokens; a
 short prompt behind a long one is served before the long one's prefill ends);
-tests/test_prefix_cache.py (warm == cold).
+tests/test_prefix_cache.py (warm == cold, long and short prompts).
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ import mlx.core as mx
 
 from mlx_tandem.engine.config import RuntimeConfig
 from mlx_tandem.engine.request import Request
+from mlx_tandem.engine.runner import ModelRunner
 from mlx_tandem.kv.prefix_cache import Block, PrefixCache
-from mlx_tandem.kv.state_rows import copied
+from mlx_tandem.kv.state_rows import StateRows, copied
 
 MIN_CHUNK, MAX_CHUNK, ALIGN = 64, 2048, 64
 CHUNK_FLOPS = {"cpu": 40e9, "gpu": 2e12}  # forward FLOPs one chunk may take, per device kind
@@ -116,3 +119,60 @@ def keep_in_cache(cache: PrefixCache | None, request: Request, last: mx.array) -
         return Block(rows.copy_span(end - cache.block), hidden)
 
     cache.insert(request.prompt[:end], block)
+
+
+@dataclass
+class ShortStart:
+    """Rows for short prompts prefilled together (engine/core._prefill_together): each row
+    starts from its prompt's longest cached whole-unit prefix. `starts[i]`: tokens row i
+    holds already; `hidden[i]`: the cached final hidden at its last one (None: nothing)."""
+
+    rows: StateRows
+    starts: list[int]
+    hidden: list[mx.array | None]
+
+
+def start_short(cache: PrefixCache | None, runner: ModelRunner, requests: list[Request]) -> ShortStart:
+    """Look each short prompt up in the short-prompt cache (blocks of the runner's pack
+    unit). A warm row's first new token lands at a unit-aligned offset of its packed calls,
+    as its cold row's does, and the rows attention gives a query the same result whatever
+    the call, so warm == cold bit for bit."""
+    found = [cache.lookup(r.prompt[: len(r.prompt) - 1]) if cache else [] for r in requests]
+    if not any(found):
+        return ShortStart(runner.blank_rows(len(requests)), [0] * len(requests),
+                          [None] * len(requests))
+    ones = []
+    for blocks in found:
+        one = runner.blank_rows(1)
+        if blocks:
+            one.load_spans([b.span for b in blocks])
+        ones.append(one)
+    rows = runner.empty_rows()
+    rows.prepare_append(ones).commit()
+    return ShortStart(rows, [b[-1].span.end if b else 0 for b in found],
+                      [b[-1].hidden if b else None for b in found])
+
+
+def keep_short(
+    cache: PrefixCache | None, start: ShortStart, requests: list[Request], hidden: mx.array
+) -> None:
+    """After a group's forward: offer each row's new whole units as blocks (`hidden`: the
+    forward's (B, L, D), row i's column j at position starts[i] + j)."""
+    if cache is None:
+        return
+    for i, (request, first) in enumerate(zip(requests, start.starts, strict=True)):
+        n = len(request.prompt) - 1
+        ends = range(first + cache.block, n + 1, cache.block)
+        if not ends:
+            continue
+        for end in ends:
+
+            def block(i: int = i, end: int = end, first: int = first) -> Block:
+                one = start.rows.take([i])
+                one.set_ends([end], padding=True)
+                last = copied(hidden[i, end - 1 - first][None])
+                mx.eval(last)
+                return Block(one.copy_span(end - cache.block), last)
+
+            if not cache.insert(request.prompt[:end], block):
+                break

@@ -33,7 +33,13 @@ from mlx_tandem.kv.recurrent import unrewindable
 from mlx_tandem.kv.row_cache import RowKVCache
 from mlx_tandem.kv.state_rows import StateRows
 from mlx_tandem.models.graph import MlxLmGraph, Which, bind_graph
-from mlx_tandem.models.invariance import follow_plan, head_planned, probe_plan, row_stable
+from mlx_tandem.models.invariance import (
+    follow_plan,
+    head_planned,
+    pack_alignment,
+    probe_plan,
+    row_stable,
+)
 from mlx_tandem.models.loader import LoadedModel
 
 
@@ -49,8 +55,10 @@ class ModelRunner:
         embed = model.graph.embedding
         self.hidden_size = int(model.config.get("hidden_size") or embed.weight.shape[-1])
         self.hidden_dtype = getattr(embed, "scales", embed.weight).dtype
+        self.pack_unit = 0  # prompts prefilled together: packed calls, at offsets of this unit
         if batch_invariant:
             stable, _ = row_stable(model.model, self.block, model.row_plans)
+            self.pack_unit = pack_alignment(stable)
             self.graph: MlxLmGraph = bind_graph(stable)
             if not head_planned(stable):  # e.g. a tied quantized embedding
                 head_plan = probe_plan(self.graph.head, self.hidden_size)
@@ -136,25 +144,40 @@ class ModelRunner:
         """Hidden states (B, L, D) for ids (B, L); afterwards row i's end advanced by lengths[i].
         `prefill`: prompts prefilled together — recurrent layers keep mlx-lm's block form
         (shared by plain and speculative runs); otherwise they step token by token with
-        per-token checkpoints (kv/recurrent.py), so a verify block can rewind per row."""
+        per-token checkpoints (kv/recurrent.py), so a verify block can rewind per row.
+        Prompts prefilled together run packed where every projection allows it
+        (models/invariance.py): each row is padded to a whole number of pack units, so a
+        prompt's token t sits at an offset = t mod unit in every call, alone or batched."""
         B, L = ids.shape
         assert rows.row_count == B
         before = rows.ends
+        advance = lengths if lengths is not None else [L] * B
+        unit = self.pack_unit if prefill else 0
+        if unit and L % unit:
+            lengths = advance
+            ids = mx.concatenate([ids, mx.zeros((B, unit - L % unit), ids.dtype)], axis=1)
+        hidden = self._forward(rows, ids, lengths, prefill, bool(unit))
+        rows.set_ends([e + n for e, n in zip(before, advance, strict=True)], padding=True)
+        return hidden[:, :L]
+
+    def _forward(
+        self, rows: StateRows, ids: mx.array, lengths: list[int] | None, prefill: bool,
+        packed: bool,
+    ) -> mx.array:
+        L = ids.shape[1]
         recurrent = [c for c in rows.leaves() if isinstance(c, ArraysCache)]
         ragged = lengths is not None and any(n != L for n in lengths)
         if ragged:  # recurrent layers must not absorb the right padding
             for c in recurrent:
                 c.prepare(lengths=lengths)
-        self.block.recurrence = prefill
+        self.block.recurrence, self.block.packed = prefill, packed
         try:
             hidden = self.graph.forward_hidden(ids, rows.layers)
         finally:
-            self.block.recurrence = False
+            self.block.recurrence = self.block.packed = False
         if ragged:
             for c in recurrent:
                 c.finalize()
-        advance = lengths if lengths is not None else [L] * B
-        rows.set_ends([e + n for e, n in zip(before, advance, strict=True)], padding=True)
         return hidden
 
     def logits(self, hidden: mx.array, which: Which = "last") -> mx.array:

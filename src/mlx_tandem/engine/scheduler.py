@@ -7,7 +7,8 @@ a large request at the head is not overtaken, so it cannot starve.
 `measure_memory` finds the bytes per token with one real forward (a sliding
 layer's ring stops growing at its size);
 `default_budget` is half the device's memory minus the weights. The scheduler also
-holds the engine's prefix cache (kv/prefix_cache.py, None when off): what the KV
+holds the engine's prefix caches (kv/prefix_cache.py, None when off: long prompts' whole
+chunks, short prompts' whole pack units): what the KV
 budget leaves, `prefix_cache_budget` sizes it from.
 
 Oracle: tests/test_engine.py (budget limits concurrent rows; what cannot fit is
@@ -54,6 +55,7 @@ class Scheduler:
     joining: list[Request] = field(default_factory=list)
     reserved: int = 0
     prefix_cache: PrefixCache | None = None
+    short_cache: PrefixCache | None = None  # short prompts' whole pack units (engine/prefill.py)
     _reservations: dict[str, int] = field(default_factory=dict)
 
     def need(self, request: Request) -> int:

@@ -51,6 +51,7 @@ class BlockMode:
 
     on: bool = False
     recurrence: bool = False  # rows prefilled together: recurrent layers in block form
+    packed: bool = False  # rows prefilled together, laid out for packed projection calls
 
 
 @dataclass(frozen=True, eq=False)

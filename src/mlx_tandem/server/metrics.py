@@ -15,8 +15,9 @@ drafted and accepted per drafter) are read from the engine when scraped, never c
     tandem_spec_drafted_tokens_total{drafter}, tandem_spec_accepted_tokens_total{drafter}
     tandem_prefix_cache_{lookups,hits,lookup_tokens,hit_tokens,evictions}_total
     tandem_prefix_cache_hit_rate, tandem_prefix_cache_bytes, tandem_prefix_cache_budget_bytes
-                                                     the prefix cache (kv/prefix_cache.py;
-                                                     zeros when it is off), read at scrape
+                                                     the prefix caches, summed (kv/prefix_cache.py:
+                                                     long prompts' chunks, short prompts' pack
+                                                     units; zeros when off), read at scrape
 
 Oracle: tests/test_server.py and tests/test_server_hostile.py (counters after
 requests; every 5xx counted).
@@ -133,29 +134,33 @@ class Metrics:
         family("tandem_spec_accepted_tokens_total", "counter", "Accepted drafted tokens.")
         for name, n in sorted(accepted.items()):
             out.append(f'tandem_spec_accepted_tokens_total{{drafter="{_label(name)}"}} {n}')
-        out += _prefix_cache(getattr(engine.scheduler, "prefix_cache", None))
+        scheduler = engine.scheduler
+        out += _prefix_cache([c for c in (getattr(scheduler, "prefix_cache", None),
+                                          getattr(scheduler, "short_cache", None)) if c])
         return "\n".join(out) + "\n"
 
 
-def _prefix_cache(cache: Any) -> list[str]:
-    """The prefix cache's counters and gauges (zeros when the engine has none)."""
-    stats = getattr(cache, "stats", None)
+def _prefix_cache(caches: list[Any]) -> list[str]:
+    """The prefix caches' counters and gauges, summed (long prompts' chunks and short
+    prompts' pack units; zeros when the engine has none)."""
     counters = {
-        "lookups": ("lookups", "Long prompts looked up in the prefix cache."),
-        "hits": ("hits", "Of them, prompts that started from cached chunks."),
-        "lookup_tokens": ("lookup_tokens", "Whole-chunk prompt tokens looked up."),
-        "hit_tokens": ("hit_tokens", "Of them, tokens served from the prefix cache."),
-        "evictions": ("evicted", "Cached chunks evicted (LRU, byte budget)."),
+        "lookups": ("lookups", "Prompts looked up in the prefix caches."),
+        "hits": ("hits", "Of them, prompts that started from cached blocks."),
+        "lookup_tokens": ("lookup_tokens", "Whole-block prompt tokens looked up."),
+        "hit_tokens": ("hit_tokens", "Of them, tokens served from the prefix caches."),
+        "evictions": ("evicted", "Cached blocks evicted (LRU, byte budget)."),
     }
     out: list[str] = []
     for name, (attr, help_) in counters.items():
         metric = f"tandem_prefix_cache_{name}_total"
         out += [f"# HELP {metric} {help_}", f"# TYPE {metric} counter"]
-        out.append(f"{metric} {getattr(stats, attr, 0) if stats else 0}")
+        out.append(f"{metric} {sum(getattr(c.stats, attr) for c in caches)}")
+    looked = sum(c.stats.lookup_tokens for c in caches)
     gauges = {
-        "hit_rate": (cache.hit_rate() if cache else 0.0, "Share of looked-up tokens served."),
-        "bytes": (cache.bytes if cache else 0, "Bytes the prefix cache holds."),
-        "budget_bytes": (cache.budget if cache else 0, "The prefix cache's byte budget."),
+        "hit_rate": (sum(c.stats.hit_tokens for c in caches) / max(1, looked),
+                     "Share of looked-up tokens served."),
+        "bytes": (sum(c.bytes for c in caches), "Bytes the prefix caches hold."),
+        "budget_bytes": (sum(c.budget for c in caches), "The prefix caches' byte budget."),
     }
     for name, (value, help_) in gauges.items():
         metric = f"tandem_prefix_cache_{name}"
