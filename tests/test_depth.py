@@ -4,8 +4,17 @@ rows with deterministic drafts; stochastic rows keep a row-local depth."""
 import functools
 import itertools
 
+import pytest
+
 from mlx_tandem import SamplingParams
-from mlx_tandem.engine.depth import PROBE, PROBE_MAX, RECALIBRATE, AdaptiveDepth, size_bucket
+from mlx_tandem.engine.depth import (
+    PROBE,
+    PROBE_MAX,
+    PROBE_SHARE,
+    RECALIBRATE,
+    AdaptiveDepth,
+    size_bucket,
+)
 from mlx_tandem.engine.request import new_request
 from mlx_tandem.models.loader import load_folder
 from mlx_tandem.models.tiny import make_tiny_model
@@ -93,13 +102,28 @@ def test_failed_probes_back_off_and_drafting_resets_the_interval():
     calibrate(policy, sixteen, plain_s=0.170, per_token_s=0.170)
     probes = [step for step in range(1, 1200) if max(policy.depths(sixteen))]
     gaps = [b - a for a, b in itertools.pairwise(probes)]
-    assert gaps[0] <= 2 * PROBE and max(gaps) <= PROBE_MAX + 2  # recalibrations interleave
+    first = max(PROBE, round(1.0 / PROBE_SHARE))  # c = 1: a probe costs a whole step
+    assert gaps[0] <= first + 2 and max(gaps) <= PROBE_MAX + 2  # recalibrations interleave
     assert gaps[-1] > 4 * PROBE  # backed off
     assert len(probes) < 1200 // PROBE // 3
     for r in sixteen:  # the rows start to accept: drafting turns on, probing resets
         r.spec_alpha = 0.95
     calibrate(policy, sixteen, plain_s=0.170, per_token_s=0.005)
     assert max(policy.depths(sixteen)) > 0 and policy.probe_every == PROBE
+
+
+@pytest.mark.parametrize("c", [0.05, 0.3, 0.74, 1.0])
+def test_probes_never_cost_more_than_their_share_of_the_time(c):
+    """Chat that never drafts: over 2,000 steps the probes' extra cost (c plain steps each)
+    stays under PROBE_SHARE of the time at any batch width; the old fixed interval (every
+    PROBE steps at first) did not at c = 0.74 (32 rows here)."""
+    policy = AdaptiveDepth(4)
+    many = rows(32, alpha=0.05)
+    calibrate(policy, many, plain_s=0.2, per_token_s=0.2 * c)
+    probes = [step for step in range(1, 2001) if max(policy.depths(many))]
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
+    assert probes and min(gaps) >= c / 0.02 - 1, gaps  # the claim: 2% (PROBE_SHARE)
+    assert len(probes) * c <= 0.02 * 2000 + c
 
 
 def test_drafting_cost_starts_from_a_measurement_not_zero():

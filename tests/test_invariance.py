@@ -56,22 +56,25 @@ def test_wide_calls_run_turned_and_each_row_keeps_its_one_row_result(bias):
 
 
 def test_packed_calls_give_a_prompt_the_same_rows_at_every_aligned_offset():
-    """Prompts prefilled together run in packed calls (exactly `pack` rows, zero-padded):
+    """Prompts prefilled together run in packed calls (of the probed sizes, zero-padded):
     a prompt laid out at any multiple of the period, among any other rows, gets the rows
-    it gets alone. Laying it out off the period is not exact (the negative control)."""
+    it gets alone (23 rows: one smallest call; placed: largest calls, then the smallest
+    that holds the rest). Laying it out off the period is not exact (the negative control)."""
     layer = nn.Linear(576, 1536, bias=False)
     plan = probe_plan(layer, 576, turned=turned_form(layer), packable=True)
-    assert plan.pack and 1 < plan.period < plan.pack and plan.pack % plan.period == 0, plan
+    largest = max(plan.pack, default=0)
+    assert len(plan.pack) > 1 and 1 < plan.period < min(plan.pack), plan
+    assert all(size % plan.period == 0 for size in plan.pack), plan
     planned = follow_plan(layer, plan, BlockMode(packed=True), turned_form(layer))
     prompt = mx.random.normal((23, 576), key=mx.random.key(3))
-    others = mx.random.normal((2 * plan.pack, 576), key=mx.random.key(4))
+    others = mx.random.normal((2 * largest, 576), key=mx.random.key(4))
     alone = planned(prompt)
 
     def placed(offset: int) -> mx.array:
         rows = mx.concatenate([others[:offset], prompt, others[offset:]])
         return planned(rows)[offset : offset + 23]
 
-    for offset in range(0, 2 * plan.pack, plan.period):  # spans two calls at some offsets
+    for offset in range(0, 2 * largest, plan.period):  # spans two calls at some offsets
         assert mx.array_equal(placed(offset), alone).item(), offset
     misaligned = [placed(k * plan.period + 1) for k in range(4)]
     assert any(not mx.array_equal(m, alone).item() for m in misaligned)

@@ -22,8 +22,9 @@ almost its full width once the batch is compute-bound). Every RECALIBRATE steps
 that bucket's plain step now; when drafting is off every row probes depth 1
 together, so estimates recover when drafting would pay again — first PROBE steps
 apart, the interval doubling (up to PROBE_MAX) after each probe that did not turn
-drafting on, back to PROBE once it does: at a large batch a probe costs nearly a
-whole extra step, and chat that never drafts should not keep paying for it.
+drafting on, back to PROBE once it does, and never closer than c_B / PROBE_SHARE
+steps: at a large batch a probe costs nearly a whole extra step, and chat that never
+drafts should not pay more than PROBE_SHARE (2%) of its time for it.
 
 Rows whose drafts are stochastic (a drafter sampling a sampled row) keep a
 row-local depth — their own acceptance and a fixed cost ratio, never the
@@ -36,12 +37,14 @@ rows identical alone and batched), tests/test_depth.py (the decisions).
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 from mlx_tandem.engine.request import Request
 
 PROBE = 16
 PROBE_MAX = 128
+PROBE_SHARE = 0.02  # the most of a bucket's step time that probes may cost
 RECALIBRATE = 32
 ROW_LOCAL_COST = 0.1  # cost of one drafted token relative to a plain step, when not measured
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
@@ -145,10 +148,10 @@ class AdaptiveDepth:
         elif costs.per_token_s is None:
             k = 1  # one drafted token measures what drafting costs at this size (not 0 s)
         else:
-            k = self.shared_depth([self._alpha(r) for r in shared],
-                                  costs.per_token_s / costs.plain_s,
+            c = costs.per_token_s / costs.plain_s
+            k = self.shared_depth([self._alpha(r) for r in shared], c,
                                   [1.0 if r.spec_offer is None else r.spec_offer for r in shared])
-            k = self._probe(k)
+            k = self._probe(k, c)
         out = []
         for r, own in zip(requests, local, strict=True):
             if own:
@@ -161,14 +164,17 @@ class AdaptiveDepth:
         self._asked = out
         return out
 
-    def _probe(self, k: int) -> int:
-        """k, or 1 when drafting is off and a probe is due (backing off while probes fail)."""
+    def _probe(self, k: int, c: float) -> int:
+        """k, or 1 when drafting is off and a probe is due (backing off while probes fail).
+        A probe costs about c plain steps (one more token for every row), so probes are
+        at least c / PROBE_SHARE steps apart: exploring never takes more than PROBE_SHARE
+        of the time, however wide the batch."""
         if k > 0:
             self.probe_every, self._next_probe = PROBE, self.steps + PROBE
             return k
         if self.steps < self._next_probe:
             return 0
-        self._next_probe = self.steps + self.probe_every
+        self._next_probe = self.steps + max(self.probe_every, math.ceil(c / PROBE_SHARE))
         self.probe_every = min(PROBE_MAX, 2 * self.probe_every)
         return 1
 

@@ -24,10 +24,11 @@ row alone), projections make one call of any size: exactness needs only that
 the same row always gets the same arithmetic, and a whole chunk is the same
 call alone or batched.
 While `BlockMode.packed` (prompts prefilled together), projections make calls of
-exactly `pack` rows, zero-padded, in which a row's result depends only on its
-position mod `period` (probed, `_packing`); the runner lays every prompt out at
-multiples of `pack_alignment` (the periods' lcm), so a prompt gets the same rows
-alone or among others, ~3x faster than turned pieces.
+one of the `pack` sizes, zero-padded, in which a row's result depends only on its
+position mod `period` — the same in every one of those sizes (probed, `_packing`);
+the runner lays every prompt out at multiples of `pack_alignment` (the periods'
+lcm), so a prompt gets the same rows alone or among others, ~3x faster than
+turned pieces for many rows, and a few rows take the smallest call.
 
 Oracle: tests/test_invariance.py (the plan's rows equal one-row / large-call
 results; the regime found here is needed; packed calls at every aligned offset,
@@ -57,7 +58,7 @@ REFERENCE_ROWS = 256
 MAX_PAD = 64  # beyond this, padding costs more than splitting
 MAX_CHUNK = 16
 MAX_WIDE = 32
-PACK_SIZES = (192, 96, 64)  # packed calls' row counts, tried in this order
+PACK_SIZES = (48, 96, 144, 192)  # packed calls' row counts (the largest must hold)
 MAX_PERIOD = 16
 PROJECTIONS = (nn.Linear, nn.QuantizedLinear)
 HEAD = "lm_head"  # an untied LM head's name in mlx-lm's models
@@ -73,7 +74,7 @@ class RowPlan:
     chunk: int = 0  # small-call regime (> 0): calls are split into pieces of <= chunk rows
     wide: int = 0  # small-call regime, turned form: exact for calls of 1 .. wide rows
     turned_from: int = 0  # calls of this many rows or more run turned (pieces <= wide); 0: never
-    pack: int = 0  # prompts prefilled together: calls of exactly `pack` rows (zero-padded) ...
+    pack: tuple[int, ...] = ()  # prompts prefilled together: calls of these sizes (padded) ...
     period: int = 0  # ... in which a row's result depends only on its position mod `period`
 
 
@@ -100,7 +101,7 @@ def probe_plan(
     reach = MAX_WIDE if turned is not None else MAX_CHUNK
     single = mx.concatenate([fn(x[i : i + 1]) for i in range(reach + 3)])
     chunk = _exact_up_to(fn, x, single, 1, MAX_CHUNK)
-    pack, period = _packing(fn, x) if packable else (0, 0)
+    pack, period = _packing(fn, x) if packable else ((), 0)
     wide = _exact_up_to(turned, x, single, 0, MAX_WIDE, (3,)) if turned is not None else 0
     if turned is None or wide <= chunk:
         return RowPlan(chunk=chunk, pack=pack, period=period)
@@ -108,19 +109,28 @@ def probe_plan(
     return RowPlan(chunk=chunk, wide=wide, turned_from=faster, pack=pack, period=period)
 
 
-def _packing(fn: Fn, x: mx.array) -> tuple[int, int]:
-    """The first call size in PACK_SIZES, and the least period <= MAX_PERIOD, such that in
-    calls of exactly that many rows every row's result depends only on its own input and
-    its position mod the period (measured: OpenBLAS's Haswell kernels give period 12 in
-    192-row calls). Prompts laid out at period-aligned offsets then get the same
-    arithmetic in any packed call, whatever else fills it; (0, 0) where none holds."""
-    for size in (s for s in PACK_SIZES if s <= x.shape[0]):
-        rows = x[:size]
-        ref = fn(rows)
-        for period in (p for p in range(1, MAX_PERIOD + 1) if size % p == 0):
-            if _periodic(fn, rows, ref, period):
-                return size, period
-    return 0, 0
+def _packing(fn: Fn, x: mx.array) -> tuple[tuple[int, ...], int]:
+    """The call sizes of PACK_SIZES, and the least period <= MAX_PERIOD, such that in calls
+    of exactly any of those sizes every row's result depends only on its own input and its
+    position mod the period, the same in every size (measured: OpenBLAS's Haswell kernels
+    tile 12 rows, so 48-, 96-, 144- and 192-row calls agree with period 12). Prompts laid
+    out at period-aligned offsets then get the same arithmetic in any packed calls,
+    whatever else fills them; ((), 0) where the largest size has no period."""
+    largest = PACK_SIZES[-1]
+    rows = x[:largest]
+    ref = fn(rows)
+    period = next((p for p in range(1, MAX_PERIOD + 1)
+                   if largest % p == 0 and _periodic(fn, rows, ref, p)), 0)
+    if not period:
+        return (), 0
+    sizes = [largest]
+    for size in PACK_SIZES[:-1]:
+        if size % period == 0 and _periodic(fn, x[:size], fn(x[:size]), period) and all(
+            mx.array_equal(fn(x[k : k + size])[:period], ref[k : k + period]).item()
+            for k in (0, 5 * period)
+        ):
+            sizes.append(size)
+    return tuple(sorted(sizes)), period
 
 
 def _periodic(fn: Fn, rows: mx.array, ref: mx.array, period: int) -> bool:
@@ -229,13 +239,20 @@ def follow_plan(fn: Fn, plan: RowPlan, block: BlockMode, turned: Fn | None = Non
     return planned
 
 
-def _packed(fn: Fn, flat: mx.array, size: int) -> mx.array:
-    """fn over flat's rows in calls of exactly `size` rows, the last one zero-padded."""
-    rows = flat.shape[0]
-    padded = -(-rows // size) * size
-    if padded > rows:
-        flat = mx.concatenate([flat, mx.zeros((padded - rows, flat.shape[-1]), flat.dtype)])
-    return mx.concatenate([fn(flat[i : i + size]) for i in range(0, padded, size)])[:rows]
+def _packed(fn: Fn, flat: mx.array, sizes: tuple[int, ...]) -> mx.array:
+    """fn over flat's rows in calls of the largest size while more rows remain, then of the
+    smallest size that holds the rest, zero-padded (every boundary a multiple of the period)."""
+    rows, start, out = flat.shape[0], 0, []
+    while start < rows:
+        left = rows - start
+        size = next((s for s in sizes if s >= left), sizes[-1])
+        piece = flat[start : start + size]
+        if size > left:
+            piece = mx.concatenate([piece, mx.zeros((size - left, flat.shape[-1]), flat.dtype)])
+        out.append(fn(piece))
+        start += size
+    y = out[0] if len(out) == 1 else mx.concatenate(out)
+    return y[:rows]
 
 
 def pack_alignment(stable: nn.Module) -> int:
