@@ -42,11 +42,13 @@ def calibrate(policy, requests, plain_s, per_token_s, k=3):
     """Teach the policy one bucket's costs: a plain step, then a step drafting k tokens."""
     B = len(requests)
     alphas = [r.spec_alpha for r in requests]
+    seen = policy.seen_alpha, policy.seen_offer
     policy.observe(requests, [0] * B, [0] * B, 0.0, plain_s, 1)
     for _ in range(20):
         policy.observe(requests, [k] * B, [0] * B, 0.0, plain_s + k * per_token_s, k + 1)
     for r, a in zip(requests, alphas, strict=True):  # keep the rows' acceptance as set
         r.spec_alpha = a
+    policy.seen_alpha, policy.seen_offer = seen  # and what new rows are assumed to do
 
 
 def test_buckets():
@@ -124,6 +126,24 @@ def test_probes_never_cost_more_than_their_share_of_the_time(c):
     gaps = [b - a for a, b in itertools.pairwise(probes)]
     assert probes and min(gaps) >= c / 0.02 - 1, gaps  # the claim: 2% (PROBE_SHARE)
     assert len(probes) * c <= 0.02 * 2000 + c
+
+
+def test_new_rows_start_from_what_recent_rows_did():
+    """Chat whose drafts are rejected: once earlier rows have shown it, a new batch of rows
+    (nothing measured of them yet) does not draft at a cost where the optimistic prior
+    (0.6) would; with the prior kept fixed it would (the negative control)."""
+    policy = AdaptiveDepth(4)
+    old = rows(8, alpha=None)
+    calibrate(policy, old, plain_s=0.1, per_token_s=0.03)
+    for _ in range(30):  # the old rows draft and see every draft rejected
+        policy.observe(old, [2] * 8, [0] * 8, 0.0, 0.16, 3)
+    new = rows(8, alpha=None)
+    policy.steps = 1
+    assert policy.depths(new) == [0] * 8
+    fixed = AdaptiveDepth(4)
+    calibrate(fixed, rows(8, alpha=None), plain_s=0.1, per_token_s=0.03)
+    fixed.steps = 1
+    assert max(fixed.depths(rows(8, alpha=None))) > 0
 
 
 def test_drafting_cost_starts_from_a_measurement_not_zero():

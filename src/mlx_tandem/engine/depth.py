@@ -14,7 +14,9 @@ drafted step drafts one token, so c_B starts from a measurement, not from zero. 
 row's acceptance estimate and o_i the share of steps it was asked to draft in which
 its drafter proposed anything (prompt lookup finds no match on most chat rows: a row
 that proposes nothing emits one token, and its acceptance is never measured), both
-on the Request; c_B is the measured extra time of
+on the Request (a row not measured yet counts as the recent rows' smoothed mean, not
+as a fixed prior: every request is a new row, and an optimistic guess makes each one
+pay for drafts its kind of prompt never gets accepted); c_B is the measured extra time of
 one more drafted-and-verified token relative to a plain step, kept per batch-size
 bucket B (vLLM's per-batch-size K: a wider verify costs little at B = 1 and
 almost its full width once the batch is compute-bound). Every RECALIBRATE steps
@@ -117,6 +119,9 @@ class AdaptiveDepth:
         if k_max < 1:
             raise ValueError(f"adaptive depth needs num_draft_tokens >= 1, got {k_max}")
         self.k_max, self.prior, self.smoothing = k_max, prior, smoothing
+        # what a new shared row is assumed to do until it is measured: the recent rows' mean
+        # (each request is a new row; a fixed optimistic prior makes every one pay to learn)
+        self.seen_alpha, self.seen_offer = prior, 1.0
         self.costs: dict[int, StepCosts] = {}
         self.steps = 0
         self.probe_every = PROBE  # steps between probes while drafting is off
@@ -149,8 +154,9 @@ class AdaptiveDepth:
             k = 1  # one drafted token measures what drafting costs at this size (not 0 s)
         else:
             c = costs.per_token_s / costs.plain_s
-            k = self.shared_depth([self._alpha(r) for r in shared], c,
-                                  [1.0 if r.spec_offer is None else r.spec_offer for r in shared])
+            alphas = [self.seen_alpha if r.spec_alpha is None else r.spec_alpha for r in shared]
+            offers = [self.seen_offer if r.spec_offer is None else r.spec_offer for r in shared]
+            k = self.shared_depth(alphas, c, offers)
             k = self._probe(k, c)
         out = []
         for r, own in zip(requests, local, strict=True):
@@ -193,9 +199,11 @@ class AdaptiveDepth:
             if k:  # asked to draft: did its drafter propose anything?
                 got = 1.0 if d else 0.0
                 r.spec_offer = got if r.spec_offer is None else (1 - s) * r.spec_offer + s * got
+                self.seen_offer = (1 - s) * self.seen_offer + s * got
             if d:
                 rate = a / d
                 r.spec_alpha = rate if r.spec_alpha is None else (1 - s) * r.spec_alpha + s * rate
+                self.seen_alpha = (1 - s) * self.seen_alpha + s * rate
         costs = self.costs.setdefault(size_bucket(len(requests)), StepCosts())
         if width == 1:
             costs.plain_s = (

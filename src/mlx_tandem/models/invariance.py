@@ -27,8 +27,8 @@ While `BlockMode.packed` (prompts prefilled together), projections make calls of
 one of the `pack` sizes, zero-padded, in which a row's result depends only on its
 position mod `period` — the same in every one of those sizes (probed, `_packing`);
 the runner lays every prompt out at multiples of `pack_alignment` (the periods'
-lcm), so a prompt gets the same rows alone or among others, ~3x faster than
-turned pieces for many rows, and a few rows take the smallest call.
+lcm), so a prompt gets the same rows alone or among others: many rows stream
+each weight once per 192 rows (not per 30), a few rows take the smallest call.
 
 Oracle: tests/test_invariance.py (the plan's rows equal one-row / large-call
 results; the regime found here is needed; packed calls at every aligned offset,
