@@ -97,7 +97,7 @@ class EngineCore:
         if cache_bytes is None:
             cache_bytes = prefix_cache_budget(model, budget)
         if cache_bytes:  # a quarter for short prompts, where no layer keeps recurrent state
-            short = cache_bytes // 4 if not self.runner.recurrent_layers() else 0
+            short = cache_bytes // 4 if self.runner.attention_only() else 0
             self.scheduler.prefix_cache = PrefixCache(cache_bytes - short, self.prefill_policy.chunk)
             if short:
                 self.scheduler.short_cache = PrefixCache(short, self.runner.pack_unit or SHORT_UNIT)

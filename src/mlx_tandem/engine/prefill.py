@@ -161,18 +161,13 @@ def keep_short(
     if cache is None:
         return
     for i, (request, first) in enumerate(zip(requests, start.starts, strict=True)):
-        n = len(request.prompt) - 1
-        ends = range(first + cache.block, n + 1, cache.block)
-        if not ends:
-            continue
-        for end in ends:
+        one = start.rows.take([i])  # lazy: gathered only if some block is new
+        for end in range(first + cache.block, len(request.prompt), cache.block):
 
-            def block(i: int = i, end: int = end, first: int = first) -> Block:
-                one = start.rows.take([i])
-                one.set_ends([end], padding=True)
+            def block(end: int = end, first: int = first, i: int = i, one: StateRows = one) -> Block:
                 last = copied(hidden[i, end - 1 - first][None])
                 mx.eval(last)
-                return Block(one.copy_span(end - cache.block), last)
+                return Block(one.copy_span(end - cache.block, end), last)
 
             if not cache.insert(request.prompt[:end], block):
                 break

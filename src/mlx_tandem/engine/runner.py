@@ -109,6 +109,11 @@ class ModelRunner:
         self.graph.forward_hidden(mx.zeros((1, 2), dtype=mx.int32), rows.layers)  # not evaluated
         return bool(unrewindable(rows.leaves()))
 
+    def attention_only(self) -> bool:
+        """Whether every layer's state is attention K/V (no recurrent state, which exists
+        only at a row's end: the short-prompt cache needs states at unit boundaries)."""
+        return not any(isinstance(c, ArraysCache) for c in self.blank_rows(1).leaves())
+
     def blank_rows(self, n: int) -> StateRows:
         """n rows holding no tokens yet (joining rows before prefill)."""
         return StateRows.blank(self.model.model, n, self.codec_for, reach=self.reach)

@@ -276,18 +276,20 @@ class StateRows:
                 rewind(c, drop)
 
     # --- one row's spans (the prefix cache, kv/prefix_cache.py) -------------------------
-    def copy_span(self, start: int) -> RowSpan:
-        """Copy out this one-row state's columns [start, end) (end: the row's end), as
-        stored by each layer's codec, and each recurrent layer's state at the end."""
+    def copy_span(self, start: int, end: int | None = None) -> RowSpan:
+        """Copy out this one-row state's columns [start, end) (default end: the row's end), as
+        stored by each layer's codec, and each recurrent layer's state at the end (which
+        exists only at the row's end)."""
         assert self.rows == 1, "copy_span reads a one-row StateRows"
-        end = self.ends[0]
-        assert 0 <= start < end
+        end = self.ends[0] if end is None else end
+        assert 0 <= start < end <= self.ends[0]
         leaves: list[Any] = []
         for c in self.leaves():
             if isinstance(c, RowKVCache):
                 k, v = c.columns(start, end)
                 leaves.append((tuple(map(copied, k)), tuple(map(copied, v)), c.dtype))
             else:
+                assert end == self.ends[0], "a recurrent layer's state exists at the row's end only"
                 leaves.append([None if a is None else copied(a) for a in c.cache])
         span = RowSpan(start, end, tuple(leaves))
         mx.eval(
