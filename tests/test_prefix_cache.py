@@ -43,7 +43,7 @@ def prompts(seed: int) -> list[list[int]]:
         tail = [rng.randrange(3, 250) for _ in range(rng.choice([1, 2, 9, CHUNK + 1, 30]))]
         out.append(shared[:cut] + tail)
     out.append(shared[: 2 * CHUNK + 1])  # a full hit: every prefilled token is cached
-    out.append(shared[: 2 * CHUNK + 1])  # the same prompt again
+    out.append(out[1])  # the same prompt again: its whole chunks and its tail are cached
     return out
 
 
@@ -67,11 +67,15 @@ def test_warm_rows_equal_cold_rows(tiny_model, arch):
     assert stats.hits >= 4 and stats.hit_tokens >= 8 * CHUNK, stats
     # sequentially: each prompt's whole shared chunks were cached by an earlier row
     engine = EngineCore(model, config(1 << 30))
+    stats = engine.scheduler.prefix_cache.stats
     for i, p in enumerate(ps):
+        served = stats.hit_tokens
         h = engine.submit(p, params(i))
         engine.run_until_idle()
         assert outputs([h.result()]) == outputs([cold[i]]), i
-    assert engine.scheduler.prefix_cache.stats.hits >= 5
+        if i == len(ps) - 1:  # a repeated prompt is served whole, its tail included
+            assert stats.hit_tokens - served == len(p) - 1
+    assert stats.hits >= 5
 
 
 def short_prompts(seed: int) -> list[list[int]]:
@@ -79,7 +83,7 @@ def short_prompts(seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     shared = [rng.randrange(3, 250) for _ in range(40)]
     out = [shared[:cut] + [rng.randrange(3, 250) for _ in range(tail)]
-           for cut, tail in ((40, 3), (30, 9), (13, 1), (40, 20), (0, 7), (25, 30), (40, 3))]
+           for cut, tail in ((38, 0), (40, 8), (30, 9), (13, 1), (40, 20), (0, 7), (25, 30), (40, 3))]
     return [*out, shared[:37], shared[:37]]  # whole hits: every prefilled token cached
 
 
@@ -108,15 +112,41 @@ def test_short_prompts_warm_equal_cold(tiny_model, arch):
     warm = run_with_gaps(engine, ps + ps, [params(i) for i in range(len(ps))] * 2, seed=5)
     assert outputs(warm) == outputs(cold) * 2
     assert cache.stats.hits >= len(ps) and cache.stats.hit_tokens >= 8 * cache.block, cache.stats
-    if arch == "llama":
-        engine = EngineCore(model, short_config(1 << 30))
-        engine.scheduler.short_cache = PrefixCache(1 << 30, cache.block + 1)
-        again = []
-        for i, p in enumerate(ps * 2):
-            h = engine.submit(p, params(i % len(ps)))
-            engine.run_until_idle()
-            again.append(h.result())
-        assert outputs(again) != outputs(cold) * 2
+    served = cache.stats.hit_tokens  # a repeated prompt is served whole (its tail cached)
+    assert outputs(sequential(engine, ps[3:4], [3])) == outputs(cold[3:4])
+    assert cache.stats.hit_tokens - served == len(ps[3]) - 1
+    if arch == "llama":  # negative controls: blocks off the unit; tails served to longer prompts
+        for broken in (PrefixCache(1 << 30, cache.block + 1), PrefixTails(1 << 30, cache.block)):
+            engine = EngineCore(model, short_config(1 << 30))
+            engine.scheduler.short_cache = broken
+            again = sequential(engine, ps * 2, [*range(len(ps))] * 2)
+            assert outputs(again) != outputs(cold) * 2
+
+
+def sequential(engine: EngineCore, ps: list[list[int]], seeds: list[int]) -> list:
+    out = []
+    for p, i in zip(ps, seeds, strict=True):
+        h = engine.submit(p, params(i))
+        engine.run_until_idle()
+        out.append(h.result())
+    return out
+
+
+class PrefixTails(PrefixCache):
+    """Broken on purpose: serves a cached tail to a longer prompt that starts with it."""
+
+    def lookup(self, tokens):
+        found = super().lookup(tokens)
+        if len(found) * self.block > len(tokens) or len(found) < len(tokens) // self.block:
+            return found
+        node = self._root
+        for key in self._keys(tokens):
+            node = node.children[key]
+        rest = tuple(tokens[len(found) * self.block :])
+        for key, child in node.children.items():
+            if len(key) < len(rest) and rest[: len(key)] == key and child.block is not None:
+                return [*found, child.block]
+        return found
 
 
 def test_speculative_rows_hit_and_stay_exact(tiny_model):
@@ -176,8 +206,8 @@ def held_bytes(cache: PrefixCache) -> int:
     return sum(n.block.nbytes for n in cache._nodes())
 
 
-def fake_block(nbytes: int) -> Block:
-    return Block(RowSpan(0, 1, ([mx.zeros((nbytes // 4,), mx.float32)],)), mx.zeros((0,)))
+def fake_block(nbytes: int, start: int = 0, end: int = 1) -> Block:
+    return Block(RowSpan(start, end, ([mx.zeros((nbytes // 4,), mx.float32)],)), mx.zeros((0,)))
 
 
 def test_lru_evicts_leaves_and_protects_the_path():
@@ -195,8 +225,23 @@ def test_lru_evicts_leaves_and_protects_the_path():
     built = []
     assert cache.insert([5, 6], lambda: built.append(1) or fake_block(4))  # already there
     assert not built and cache.bytes == 300
-    with pytest.raises(ValueError, match="whole blocks"):
-        cache.insert([1, 2, 3], lambda: fake_block(4))
+    with pytest.raises(ValueError, match="at least one token"):
+        cache.insert([], lambda: fake_block(4))
+
+
+def test_a_tail_serves_only_its_exact_prompt():
+    """A prompt's final partial block is kept under its whole blocks and served only to the
+    same prompt, never to one that merely starts with it."""
+    cache = PrefixCache(budget=1000, block=2)
+    assert cache.insert([1, 2], lambda: fake_block(100, 0, 2))
+    assert cache.insert([1, 2, 3], lambda: fake_block(100, 2, 3))  # a tail under [1, 2]
+    assert cache.insert([7], lambda: fake_block(100, 0, 1))  # a tail under the root
+    assert not cache.insert([9, 9, 1], lambda: fake_block(100))  # [9, 9] is not cached
+    assert len(cache.lookup([1, 2, 3])) == 2 and cache.stats.hit_tokens == 3
+    assert len(cache.lookup([1, 2, 3, 4])) == 1  # [3, 4] is no block; [3] not its tail
+    assert len(cache.lookup([1, 2, 4])) == 1 and len(cache.lookup([7])) == 1
+    assert cache.lookup([7, 8]) == [] and cache.lookup([1]) == []
+    assert cache.stats.lookup_tokens == 3 + 4 + 3 + 1 + 2 + 1
     with pytest.raises(ValueError, match="positive"):
         PrefixCache(0, 2)
 
@@ -220,7 +265,7 @@ def test_config_and_metrics(tiny_model):
     values = parse(Metrics("tiny").render(engine))
     assert values["tandem_prefix_cache_lookups_total"] == 2
     assert values["tandem_prefix_cache_hits_total"] == 1
-    assert values["tandem_prefix_cache_hit_tokens_total"] == 2 * CHUNK
+    assert values["tandem_prefix_cache_hit_tokens_total"] == 2 * CHUNK + 2  # all but the last
     assert values["tandem_prefix_cache_hit_rate"] == 0.5
     assert values["tandem_prefix_cache_bytes"] == engine.scheduler.prefix_cache.bytes > 0
     assert values["tandem_prefix_cache_budget_bytes"] == 1 << 30

@@ -22,7 +22,9 @@ chunk it computes, offers that chunk as a block (kv/prefix_cache.py). Blocks are
 whole chunks, so a warm row's remaining chunks have a cold row's boundaries. Prompts
 of at most one chunk (prefilled together, packed: other arithmetic) have their own
 cache of whole pack units (`start_short`, `keep_short`), so a warm row's new tokens
-sit where a cold row's do in the packed calls.
+sit where a cold row's do in the packed calls. Both caches also keep each prompt's tail
+(its tokens after the last whole block), served only to the same prompt again: a
+repeated prompt joins with nothing to prefill.
 
 Oracle: tests/test_engine.py (chunked prefill on/off gives the same tokens; a
 short prompt behind a long one is served before the long one's prefill ends);
@@ -107,16 +109,18 @@ def start_from_cache(cache: PrefixCache | None, request: Request) -> mx.array | 
 
 
 def keep_in_cache(cache: PrefixCache | None, request: Request, last: mx.array) -> None:
-    """After a chunk of a long prompt: offer it as a block if it was a whole one
-    (`last`: the final hidden (1, D) at its last token)."""
+    """After a chunk of a long prompt: offer it as a block if it was a whole one, or the
+    prompt's tail if it was the last (`last`: the final hidden (1, D) at its last token)."""
     rows, end = request.joining, request.prefilled
-    if cache is None or rows is None or end % cache.block or rows.ends != [end]:
+    if cache is None or rows is None or rows.ends != [end]:
+        return
+    if end % cache.block and end != len(request.prompt) - 1:
         return
 
     def block() -> Block:
         hidden = copied(last)
         mx.eval(hidden)
-        return Block(rows.copy_span(end - cache.block), hidden)
+        return Block(rows.copy_span((end - 1) // cache.block * cache.block), hidden)
 
     cache.insert(request.prompt[:end], block)
 
@@ -156,18 +160,23 @@ def start_short(cache: PrefixCache | None, runner: ModelRunner, requests: list[R
 def keep_short(
     cache: PrefixCache | None, start: ShortStart, requests: list[Request], hidden: mx.array
 ) -> None:
-    """After a group's forward: offer each row's new whole units as blocks (`hidden`: the
-    forward's (B, L, D), row i's column j at position starts[i] + j)."""
+    """After a group's forward: offer each row's new whole units, then its prompt's tail,
+    as blocks (`hidden`: the forward's (B, L, D), row i's column j at position
+    starts[i] + j)."""
     if cache is None:
         return
     for i, (request, first) in enumerate(zip(requests, start.starts, strict=True)):
         one = start.rows.take([i])  # lazy: gathered only if some block is new
-        for end in range(first + cache.block, len(request.prompt), cache.block):
+        n = len(request.prompt) - 1
+        ends = [*range(first + cache.block, n + 1, cache.block)]
+        if n > first and n % cache.block:
+            ends.append(n)
+        for end in ends:
 
             def block(end: int = end, first: int = first, i: int = i, one: StateRows = one) -> Block:
                 last = copied(hidden[i, end - 1 - first][None])
                 mx.eval(last)
-                return Block(one.copy_span(end - cache.block, end), last)
+                return Block(one.copy_span((end - 1) // cache.block * cache.block, end), last)
 
             if not cache.insert(request.prompt[:end], block):
                 break

@@ -14,6 +14,12 @@ Memory: the bytes of every cached array count against `budget`; inserting evicts
 least recently used *leaf* blocks (a block's children need it) until the new block fits;
 a block larger than the whole budget is not kept. A hit touches its whole path.
 
+Tails: a prompt's final partial block (fewer than `block` tokens after its whole ones) is
+kept too, as a leaf under its last whole block, keyed by its exact tokens: a repeated
+prompt is then served whole. Only an exact match is used, never a tail that a longer
+prompt merely starts with: the longer prompt's cold row computes those tokens inside a
+whole block (or at other packed offsets), so only the same prompt has the same bits.
+
 Oracle: tests/test_prefix_cache.py (warm rows equal cold rows token for token, on
 attention and hybrid tiny models; the bytes held never exceed the budget over a
 200-request run).
@@ -56,8 +62,8 @@ class _Node:
 class PrefixStats:
     lookups: int = 0  # rows that looked their prompt up
     hits: int = 0  # of them, rows that started from at least one cached block
-    lookup_tokens: int = 0  # whole-block prompt tokens looked up
-    hit_tokens: int = 0  # of them, tokens served from the cache
+    lookup_tokens: int = 0  # prompt tokens looked up
+    hit_tokens: int = 0  # of them, tokens served from the cache (whole blocks and tails)
     inserted: int = 0
     evicted: int = 0
 
@@ -87,10 +93,12 @@ class PrefixCache:
         node.used = self._clock
 
     def lookup(self, tokens: Sequence[int]) -> list[Block]:
-        """The cached blocks of the longest whole-block prefix of `tokens` (maybe none)."""
+        """The cached blocks of the longest whole-block prefix of `tokens` (maybe none), and
+        the tail that ends exactly at `tokens` when every whole block before it is cached."""
         keys = self._keys(tokens)
+        rest = tuple(tokens[len(keys) * self.block :])
         node, found = self._root, []
-        for key in keys:
+        for key in [*keys, rest] if rest else keys:
             child = node.children.get(key)
             if child is None or child.block is None:
                 break
@@ -99,16 +107,19 @@ class PrefixCache:
             node = child
         self.stats.lookups += 1
         self.stats.hits += bool(found)
-        self.stats.lookup_tokens += len(keys) * self.block
-        self.stats.hit_tokens += len(found) * self.block
+        self.stats.lookup_tokens += len(tokens)
+        self.stats.hit_tokens += found[-1].span.end if found else 0
         return found
 
     def insert(self, tokens: Sequence[int], make: Callable[[], Block]) -> bool:
-        """Keep the block ending `tokens` (a whole number of blocks), built by `make()` only
-        if it is new and its parent blocks are still cached. Returns whether it is cached."""
+        """Keep the block ending `tokens` (a whole block, or the tail after the whole ones),
+        built by `make()` only if it is new and its parent blocks are still cached. Returns
+        whether it is cached."""
+        if not tokens:
+            raise ValueError("a prefix cache block needs at least one token")
         keys = self._keys(tokens)
-        if not keys or len(keys) * self.block != len(tokens):
-            raise ValueError(f"a prefix of {len(tokens)} tokens is not whole blocks of {self.block}")
+        if len(keys) * self.block != len(tokens):
+            keys.append(tuple(tokens[len(keys) * self.block :]))
         node = self._root
         for key in keys[:-1]:
             node = node.children.get(key)  # type: ignore[assignment]
@@ -166,5 +177,5 @@ class PrefixCache:
         self.bytes = self.blocks = 0
 
     def hit_rate(self) -> float:
-        """Share of looked-up whole-block prompt tokens served from the cache."""
+        """Share of looked-up prompt tokens served from the cache."""
         return self.stats.hit_tokens / max(1, self.stats.lookup_tokens)

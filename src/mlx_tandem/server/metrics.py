@@ -146,7 +146,7 @@ def _prefix_cache(caches: list[Any]) -> list[str]:
     counters = {
         "lookups": ("lookups", "Prompts looked up in the prefix caches."),
         "hits": ("hits", "Of them, prompts that started from cached blocks."),
-        "lookup_tokens": ("lookup_tokens", "Whole-block prompt tokens looked up."),
+        "lookup_tokens": ("lookup_tokens", "Prompt tokens looked up."),
         "hit_tokens": ("hit_tokens", "Of them, tokens served from the prefix caches."),
         "evictions": ("evicted", "Cached blocks evicted (LRU, byte budget)."),
     }
