@@ -168,27 +168,31 @@ def test_stochastic_rows_ignore_the_engines_measurements():
     assert min(mine) > 0
 
 
-def test_rows_whose_drafter_rarely_proposes_turn_drafting_off():
-    """Prompt lookup finds nothing on most chat rows: they never measure an acceptance (the
-    prior stays), but the policy learns how rarely they propose and stops widening every
-    verify for them; rows that propose keep drafting."""
+def test_rows_that_propose_nothing_do_not_make_drafting_cost():
+    """Prompt lookup finds nothing on most chat rows: they never measure an acceptance, and
+    a verify runs its projections on their real slot only (kv/attention.Ragged), so they
+    cost nearly nothing. The policy measures the cost per drafted token, charges a depth by
+    the share of rows that propose, keeps drafting for the one row that proposes while its
+    drafts are accepted, and stops once they are rejected."""
     policy = AdaptiveDepth(4)
-    chat = rows(16)  # no acceptance measured: the prior 0.6
+    chat = rows(16)
     calibrate(policy, chat, plain_s=0.170, per_token_s=0.05)
     for r in chat:
         r.spec_alpha = None
-    policy.steps = 1
-    assert max(policy.depths(chat)) > 0  # the prior alone buys drafting
-    for _ in range(30):  # asked to draft, one row in sixteen proposes (and is accepted)
-        asked = policy.depths(chat)
-        drafted = [k if i == 0 else 0 for i, k in enumerate(asked)]
-        policy.observe(chat, drafted, drafted, 0.0, 0.17 + 0.05 * max(drafted), max(drafted) + 1)
-        if policy.steps % RECALIBRATE == RECALIBRATE - 1:
-            policy.steps += 1  # stay off the recalibration steps
-    policy.steps = 2
-    assert max(policy.depths(chat)) == 0
+
+    def run(accepted: bool) -> list[int]:
+        for _ in range(30):  # asked to draft, one row in sixteen proposes
+            asked = policy.depths(chat)
+            drafted = [k if i == 0 else 0 for i, k in enumerate(asked)]
+            kept = drafted if accepted else [0] * 16
+            policy.observe(chat, drafted, kept, 0.0, 0.17 + 0.05 * sum(drafted) / 16,
+                           max(drafted) + 1)
+            if policy.steps % RECALIBRATE == RECALIBRATE - 1:
+                policy.steps += 1  # stay off the recalibration steps
+        policy.steps = 2
+        return policy.depths(chat)
+
+    assert max(run(True)) > 0
     assert chat[1].spec_offer < 0.2 and chat[1].spec_alpha is None
-    # the same rows all proposing (offers measured high) draft again
-    for r in chat:
-        r.spec_offer = 1.0
-    assert max(policy.depths(chat)) > 0
+    assert abs(policy.costs[16].per_token_s - 0.05) < 1e-6  # per drafted token, all rows
+    assert max(run(False)) == 0

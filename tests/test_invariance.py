@@ -7,6 +7,7 @@ import pytest
 from mlx_tandem.kv.attention import (
     GROUP_ROW_CHOICES,
     BlockMode,
+    Ragged,
     attention_mismatches,
     invariant_attention,
     stable_group_rows,
@@ -53,6 +54,30 @@ def test_wide_calls_run_turned_and_each_row_keeps_its_one_row_result(bias):
         layer, RowPlan(chunk=plan.chunk, wide=MAX_WIDE, turned_from=1), BlockMode(), turned
     )
     assert not mx.array_equal(too_wide(x[:MAX_WIDE]), alone[:MAX_WIDE]).item()
+
+
+def test_a_ragged_call_runs_real_slots_only_and_keeps_their_bits():
+    """A verify block (B rows of width L, row i real for its first lengths[i] slots) runs a
+    planned projection on the real slots only: each real slot gets the bits of the full
+    padded call, each padding slot its row's last real result. Without the plan (one plain
+    call of the real rows) a row's bits change with the call (the negative control)."""
+    layer = nn.Linear(576, 576)
+    turned = turned_form(layer)
+    planned = follow_plan(layer, probe_plan(layer, 576, turned=turned), BlockMode(), turned)
+    lengths, width = [4, 1, 1, 3, 1, 1, 2, 1, 1, 1, 4, 1, 1, 1, 1, 1] * 2, 4
+    x = mx.random.normal((len(lengths), width, 576), key=mx.random.key(3))
+    full = planned(x)
+    ragged = Ragged.of(lengths, width)
+    assert ragged is not None and ragged.take.size == sum(lengths)
+    block = BlockMode(ragged=ragged)
+    got = follow_plan(layer, probe_plan(layer, 576, turned=turned), block, turned)(x)
+    for i, n in enumerate(lengths):
+        assert mx.array_equal(got[i, :n], full[i, :n]).item(), i
+        assert all(mx.array_equal(got[i, j], got[i, n - 1]).item() for j in range(n, width))
+    assert Ragged.of([2, 2], 2) is None and Ragged.of([0, 2], 2) is None
+    flat = x.reshape(-1, 576)
+    real = layer(flat[ragged.take])  # unplanned: one call of the real rows
+    assert not mx.array_equal(real, layer(flat)[ragged.take]).item()
 
 
 def test_packed_calls_give_a_prompt_the_same_rows_at_every_aligned_offset():

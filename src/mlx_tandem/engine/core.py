@@ -211,10 +211,11 @@ class EngineCore:
         width = max(len(f) for f in feeds)
         ids = mx.array([f + [0] * (width - len(f)) for f in feeds], dtype=mx.int32)
         before = self.rows.ends
-        hidden = self.runner.forward(self.rows, ids, [len(f) for f in feeds])
+        lengths = [len(f) for f in feeds]
+        hidden = self.runner.forward(self.rows, ids, lengths)
         grammars = [r.grammar for r in self.running]
         allowed = grammar_masks(grammars, drafts.tokens, width, self.model.graph.vocab_size)
-        logits = self.runner.logits(hidden, "all")
+        logits = self.runner.logits(hidden, "all", lengths)
         verdicts = verify(self.running, logits, drafts.tokens, drafts.q, allowed)
         self.rows.set_ends([e + v.accepted + 1 for e, v in zip(before, verdicts, strict=True)])
         return verdicts, hidden
@@ -356,6 +357,7 @@ class EngineCore:
             change.commit()
             if companion is not None:
                 companion.commit()
+            mx.eval(*self.rows.arrays())  # the merge runs here: joining, not in the next verify
         finally:
             change.dispose()
         for request in requests:

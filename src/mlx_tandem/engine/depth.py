@@ -7,7 +7,7 @@ acceptance alone. A step's verify forward is as wide as its widest row, so rows
 whose drafts are deterministic share one depth k per step, chosen to maximise
 
     sum over rows of E_i(k) / cost(k),   E_i(k) = 1 + o_i * ((1 - a_i^(k+1)) / (1 - a_i) - 1),
-    cost(k) = 1 + k * c_B,
+    cost(k) = 1 + k * c_B * mean_i(o_i),
 
 against k = 0 (plain decoding: every row emits one token at cost 1). A bucket's first
 drafted step drafts one token, so c_B starts from a measurement, not from zero. a_i is the
@@ -16,8 +16,11 @@ its drafter proposed anything (prompt lookup finds no match on most chat rows: a
 that proposes nothing emits one token, and its acceptance is never measured), both
 on the Request (a row not measured yet counts as the recent rows' smoothed mean, not
 as a fixed prior: every request is a new row, and an optimistic guess makes each one
-pay for drafts its kind of prompt never gets accepted); c_B is the measured extra time of
-one more drafted-and-verified token relative to a plain step, kept per batch-size
+pay for drafts its kind of prompt never gets accepted; a row's own measurements start
+from that mean too, so one lucky first draft does not make it look like a copier); c_B is
+the measured extra time of one more drafted-and-verified token on every row relative to a
+plain step, measured per drafted token (a verify runs its projections on real slots only,
+kv/attention.Ragged: a row that proposes nothing costs nearly nothing), kept per batch-size
 bucket B (vLLM's per-batch-size K: a wider verify costs little at B = 1 and
 almost its full width once the batch is compute-bound). Every RECALIBRATE steps
 (and the first time a bucket is seen) all rows take a plain step, which measures
@@ -127,6 +130,7 @@ class AdaptiveDepth:
         self.probe_every = PROBE  # steps between probes while drafting is off
         self._next_probe = PROBE
         self._asked: list[int] = []  # the depths of the step being decided (rows in order)
+        self._local: set[int] = set()  # ids of its rows with a row-local depth
 
     def _alpha(self, r: Request) -> float:
         return r.spec_alpha if r.spec_alpha is not None else self.prior
@@ -135,10 +139,11 @@ class AdaptiveDepth:
         """The k in 0..k_max maximising the rows' expected tokens per unit of step time
         (`offers`: each row's share of steps its drafter proposes in; default always)."""
         offers = offers or [1.0] * len(alphas)
+        drafting = sum(offers) / max(1, len(offers))  # rows that propose pay; the rest do not
         best, best_rate = 0, float(len(alphas))
         for k in range(1, self.k_max + 1):
             gains = (o * (expected_tokens(a, k) - 1) for a, o in zip(alphas, offers, strict=True))
-            rate = (len(alphas) + sum(gains)) / (1 + k * c)
+            rate = (len(alphas) + sum(gains)) / (1 + k * c * drafting)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
@@ -168,6 +173,7 @@ class AdaptiveDepth:
             else:
                 out.append(row_cap(r, k))
         self._asked = out
+        self._local = {id(r) for r, own in zip(requests, local, strict=True) if own}
         return out
 
     def _probe(self, k: int, c: float) -> int:
@@ -200,17 +206,21 @@ class AdaptiveDepth:
                 got = 1.0 if d else 0.0
                 r.spec_offer = got if r.spec_offer is None else (1 - s) * r.spec_offer + s * got
                 self.seen_offer = (1 - s) * self.seen_offer + s * got
-            if d:
-                rate = a / d
-                r.spec_alpha = rate if r.spec_alpha is None else (1 - s) * r.spec_alpha + s * rate
+            if d:  # a shared row's first drafts say little: it starts from the recent rows'
+                rate = a / d  # mean (a row-local one from its own first rate: its history only)
+                known = r.spec_alpha
+                if known is None:
+                    known = rate if id(r) in self._local else self.seen_alpha
+                r.spec_alpha = (1 - s) * known + s * rate
                 self.seen_alpha = (1 - s) * self.seen_alpha + s * rate
         costs = self.costs.setdefault(size_bucket(len(requests)), StepCosts())
         if width == 1:
             costs.plain_s = (
                 verify_s if costs.plain_s is None else (1 - s) * costs.plain_s + s * verify_s
             )
-        elif costs.plain_s is not None:
-            extra = (draft_s + max(0.0, verify_s - costs.plain_s)) / (width - 1)
+        elif costs.plain_s is not None and sum(drafted):  # per drafted token on every row: the verify runs
+            # only real slots' projections (kv/attention.Ragged), so cost follows tokens
+            extra = (draft_s + max(0.0, verify_s - costs.plain_s)) * len(requests) / sum(drafted)
             costs.per_token_s = (
                 extra if costs.per_token_s is None else (1 - s) * costs.per_token_s + s * extra
             )

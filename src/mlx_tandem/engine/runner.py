@@ -26,7 +26,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
-from mlx_tandem.kv.attention import BlockMode
+from mlx_tandem.kv.attention import BlockMode, Ragged
 from mlx_tandem.kv.calibrated import CALIBRATION, layer_stats
 from mlx_tandem.kv.codec import FP, CodecSpec, KVCodec, check_dims, parse_codec
 from mlx_tandem.kv.recurrent import unrewindable
@@ -176,17 +176,29 @@ class ModelRunner:
             for c in recurrent:
                 c.prepare(lengths=lengths)
         self.block.recurrence, self.block.packed = prefill, packed
+        if ragged and not prefill:  # verify blocks: projections run the real slots only
+            self.block.ragged = Ragged.of(lengths, L)
         try:
             hidden = self.graph.forward_hidden(ids, rows.layers)
         finally:
             self.block.recurrence = self.block.packed = False
+            self.block.ragged = None
         if ragged:
             for c in recurrent:
                 c.finalize()
         return hidden
 
-    def logits(self, hidden: mx.array, which: Which = "last") -> mx.array:
-        return self.graph.project_logits(hidden, which)
+    def logits(
+        self, hidden: mx.array, which: Which = "last", lengths: list[int] | None = None
+    ) -> mx.array:
+        """Logits at `which` positions; with "all" and `lengths`, the head runs row i's first
+        lengths[i] slots only (the others get a stand-in: kv/attention.Ragged)."""
+        if isinstance(which, str) and which == "all" and lengths is not None:
+            self.block.ragged = Ragged.of(lengths, hidden.shape[1])
+        try:
+            return self.graph.project_logits(hidden, which)
+        finally:
+            self.block.ragged = None
 
 
 def _first_kv(cache: object) -> RowKVCache | None:

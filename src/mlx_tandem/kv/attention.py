@@ -52,6 +52,33 @@ class BlockMode:
     on: bool = False
     recurrence: bool = False  # rows prefilled together: recurrent layers in block form
     packed: bool = False  # rows prefilled together, laid out for packed projection calls
+    ragged: Ragged | None = None  # a forward's real slots: projections skip the padding
+
+
+@dataclass(frozen=True)
+class Ragged:
+    """Which slots of a (B, L) forward are real (row i's first lengths[i]): a projection
+    runs on those rows only and hands every padding slot its row's last real result, a
+    finite stand-in that no real slot reads (causal masks; verify reads real slots only).
+    Exact because every projection plan gives a row the same bits in any call
+    (models/invariance.py), so fewer rows per call change no real row's result."""
+
+    take: mx.array  # (T,) flat indices of the real slots, row-major
+    back: mx.array  # (B * L,) each slot's index into the T results
+    total: int  # B * L
+
+    @staticmethod
+    def of(lengths: list[int], width: int) -> Ragged | None:
+        """None when no slot is padding (or a row has none: nothing to stand in)."""
+        if all(n == width for n in lengths) or min(lengths) < 1:
+            return None
+        take, back = [], []
+        for i, n in enumerate(lengths):
+            first = len(take)
+            take.extend(range(i * width, i * width + n))
+            back.extend(first + min(j, n - 1) for j in range(width))
+        return Ragged(mx.array(take, dtype=mx.int32), mx.array(back, dtype=mx.int32),
+                      len(lengths) * width)
 
 
 @dataclass(frozen=True, eq=False)

@@ -220,20 +220,32 @@ def follow_plan(fn: Fn, plan: RowPlan, block: BlockMode, turned: Fn | None = Non
     if plan.turned_from:
         assert turned is not None, "a plan with a turned form needs that form"
 
+    def rows_of(flat: mx.array) -> mx.array | None:
+        """The plan's calls over flat's rows; None where the plan calls fn as it is."""
+        rows = flat.shape[0]
+        if block.packed and plan.pack:
+            return _packed(fn, flat, plan.pack)
+        if plan.turned_from and rows >= plan.turned_from and not block.on:
+            return _pieces(turned, flat, plan.wide)
+        if plan.chunk and rows > plan.chunk and not block.on:
+            return _pieces(fn, flat, plan.chunk)
+        if rows < plan.pad_to:
+            zeros = mx.zeros((plan.pad_to - rows, flat.shape[-1]), flat.dtype)
+            return fn(mx.concatenate([flat, zeros]))[:rows]
+        return None
+
     def planned(x: mx.array) -> mx.array:
         lead, rows = x.shape[:-1], x.size // x.shape[-1]
         flat = x.reshape(rows, x.shape[-1])
-        if block.packed and plan.pack:
-            y = _packed(fn, flat, plan.pack)
-        elif plan.turned_from and rows >= plan.turned_from and not block.on:
-            y = _pieces(turned, flat, plan.wide)
-        elif plan.chunk and rows > plan.chunk and not block.on:
-            y = _pieces(fn, flat, plan.chunk)
-        elif rows < plan.pad_to:
-            zeros = mx.zeros((plan.pad_to - rows, x.shape[-1]), x.dtype)
-            y = fn(mx.concatenate([flat, zeros]))[:rows]
+        ragged = block.ragged
+        if ragged is not None and rows == ragged.total:  # real slots only (kv/attention.Ragged)
+            real = flat[ragged.take]
+            y = rows_of(real)
+            y = (fn(real) if y is None else y)[ragged.back]
         else:
-            return fn(x)
+            y = rows_of(flat)
+            if y is None:
+                return fn(x)
         return y.reshape(*lead, y.shape[-1])
 
     return planned
