@@ -13,6 +13,7 @@ from mlx_tandem.engine.depth import (
     PROBE_SHARE,
     RECALIBRATE,
     AdaptiveDepth,
+    StepCosts,
     size_bucket,
 )
 from mlx_tandem.engine.request import new_request
@@ -196,3 +197,20 @@ def test_rows_that_propose_nothing_do_not_make_drafting_cost():
     assert chat[1].spec_offer < 0.2 and chat[1].spec_alpha is None
     assert abs(policy.costs[16].per_token_s - 0.05) < 1e-6  # per drafted token, all rows
     assert max(run(False)) == 0
+
+
+def test_a_drafted_steps_own_cost_is_fitted_apart_from_its_tokens():
+    """A drafted step costs f + t * x (x: drafted tokens per row). Steps with different x fit
+    both; read per token only (one x seen), a step where few rows propose would charge its
+    fixed part to those few tokens (the negative control: five times dearer here)."""
+    costs = StepCosts()
+    for x in [0.1, 1.0, 0.1, 2.0, 0.5] * 4:
+        costs.add(x, 0.02 + 0.05 * x, 0.2)
+    assert abs(costs.fixed_s - 0.02) < 1e-6 and abs(costs.per_token_s - 0.05) < 1e-6
+    one = StepCosts()
+    one.add(0.1, 0.02 + 0.05 * 0.1, 0.2)
+    assert one.fixed_s == 0 and one.per_token_s > 4.9 * 0.05
+    policy = AdaptiveDepth(4)  # four copiers among 32 chat rows that seldom propose
+    alphas, offers = [0.9] * 4 + [0.1] * 28, [1.0] * 4 + [0.05] * 28
+    assert policy.shared_depth(alphas, costs.per_token_s / 0.3, offers, costs.fixed_s / 0.3) > 0
+    assert policy.shared_depth(alphas, one.per_token_s / 0.3, offers) == 0

@@ -7,7 +7,7 @@ acceptance alone. A step's verify forward is as wide as its widest row, so rows
 whose drafts are deterministic share one depth k per step, chosen to maximise
 
     sum over rows of E_i(k) / cost(k),   E_i(k) = 1 + o_i * ((1 - a_i^(k+1)) / (1 - a_i) - 1),
-    cost(k) = 1 + k * c_B * mean_i(o_i),
+    cost(k) = 1 + f_B + k * c_B * mean_i(o_i),
 
 against k = 0 (plain decoding: every row emits one token at cost 1). A bucket's first
 drafted step drafts one token, so c_B starts from a measurement, not from zero. a_i is the
@@ -19,9 +19,9 @@ as a fixed prior: every request is a new row, and an optimistic guess makes each
 pay for drafts its kind of prompt never gets accepted; a row's own measurements start
 from that mean too, so one lucky first draft does not make it look like a copier); c_B is
 the measured extra time of one more drafted-and-verified token on every row relative to a
-plain step, measured per drafted token (a verify runs its projections on real slots only,
-kv/attention.Ragged: a row that proposes nothing costs nearly nothing), kept per batch-size
-bucket B (vLLM's per-batch-size K: a wider verify costs little at B = 1 and
+plain step, and f_B a drafted step's own extra time, fitted apart (StepCosts): a verify
+runs its projections on real slots only (kv/attention.Ragged), so a row that proposes
+nothing costs nearly nothing; both are kept per batch-size bucket B (vLLM's per-batch-size K: a wider verify costs little at B = 1 and
 almost its full width once the batch is compute-bound). Every RECALIBRATE steps
 (and the first time a bucket is seen) all rows take a plain step, which measures
 that bucket's plain step now; when drafting is off every row probes depth 1
@@ -108,11 +108,32 @@ class FixedDepth:
 
 
 class StepCosts:
-    """Measured seconds for one batch-size bucket (exponentially smoothed)."""
+    """Measured seconds for one batch-size bucket (exponentially smoothed): a plain step, and
+    a drafted step's extra seconds as `fixed_s + per_token_s * x`, x the drafted tokens per
+    row (a weighted least-squares line over recent drafted steps). Rows that propose nothing
+    add no tokens, but a drafted step has costs of its own (the lookups, the wider attention
+    block): fitted apart, a step where two rows of thirty-two propose does not make every
+    drafted token look sixteen times dearer. While the steps seen all drafted about the same
+    x, the line cannot be fitted and everything counts per token (the dearer reading)."""
 
     def __init__(self) -> None:
         self.plain_s: float | None = None  # a verify with no drafts
-        self.per_token_s: float | None = None  # extra seconds per drafted token (draft + verify)
+        self.per_token_s: float | None = None  # extra seconds per drafted token on every row
+        self.fixed_s = 0.0  # extra seconds of any drafted step
+        self._sums = [0.0] * 5  # weight, x, x^2, extra, x * extra (exponentially decayed)
+
+    def add(self, x: float, extra: float, smoothing: float) -> None:
+        keep = 1 - smoothing
+        self._sums = [keep * a + b for a, b in zip(self._sums, (1.0, x, x * x, extra, x * extra),
+                                                   strict=True)]
+        w, sx, sxx, se, sxe = self._sums
+        mx_, me = sx / w, se / w
+        var = sxx / w - mx_ * mx_
+        slope = (sxe / w - mx_ * me) / var if var > 0.01 * mx_ * mx_ else -1.0
+        fixed = me - slope * mx_
+        if slope <= 0 or fixed < 0:  # not fittable yet: all of it per token
+            slope, fixed = me / mx_, 0.0
+        self.per_token_s, self.fixed_s = slope, fixed
 
 
 class AdaptiveDepth:
@@ -135,15 +156,18 @@ class AdaptiveDepth:
     def _alpha(self, r: Request) -> float:
         return r.spec_alpha if r.spec_alpha is not None else self.prior
 
-    def shared_depth(self, alphas: list[float], c: float, offers: list[float] | None = None) -> int:
+    def shared_depth(
+        self, alphas: list[float], c: float, offers: list[float] | None = None, fixed: float = 0.0
+    ) -> int:
         """The k in 0..k_max maximising the rows' expected tokens per unit of step time
-        (`offers`: each row's share of steps its drafter proposes in; default always)."""
+        (`offers`: each row's share of steps its drafter proposes in; default always;
+        `fixed`: a drafted step's own cost, in plain steps)."""
         offers = offers or [1.0] * len(alphas)
         drafting = sum(offers) / max(1, len(offers))  # rows that propose pay; the rest do not
         best, best_rate = 0, float(len(alphas))
         for k in range(1, self.k_max + 1):
             gains = (o * (expected_tokens(a, k) - 1) for a, o in zip(alphas, offers, strict=True))
-            rate = (len(alphas) + sum(gains)) / (1 + k * c * drafting)
+            rate = (len(alphas) + sum(gains)) / (1 + fixed + k * c * drafting)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
@@ -158,11 +182,11 @@ class AdaptiveDepth:
         elif costs.per_token_s is None:
             k = 1  # one drafted token measures what drafting costs at this size (not 0 s)
         else:
-            c = costs.per_token_s / costs.plain_s
+            c, fixed = costs.per_token_s / costs.plain_s, costs.fixed_s / costs.plain_s
             alphas = [self.seen_alpha if r.spec_alpha is None else r.spec_alpha for r in shared]
             offers = [self.seen_offer if r.spec_offer is None else r.spec_offer for r in shared]
-            k = self.shared_depth(alphas, c, offers)
-            k = self._probe(k, c)
+            k = self.shared_depth(alphas, c, offers, fixed)
+            k = self._probe(k, fixed + c)
         out = []
         for r, own in zip(requests, local, strict=True):
             if own:
@@ -218,9 +242,7 @@ class AdaptiveDepth:
             costs.plain_s = (
                 verify_s if costs.plain_s is None else (1 - s) * costs.plain_s + s * verify_s
             )
-        elif costs.plain_s is not None and sum(drafted):  # per drafted token on every row: the verify runs
-            # only real slots' projections (kv/attention.Ragged), so cost follows tokens
-            extra = (draft_s + max(0.0, verify_s - costs.plain_s)) * len(requests) / sum(drafted)
-            costs.per_token_s = (
-                extra if costs.per_token_s is None else (1 - s) * costs.per_token_s + s * extra
-            )
+        elif costs.plain_s is not None and sum(drafted):  # the verify runs only real slots'
+            # projections (kv/attention.Ragged), so its cost follows the drafted tokens
+            extra = draft_s + max(0.0, verify_s - costs.plain_s)
+            costs.add(sum(drafted) / len(requests), extra, s)

@@ -25,10 +25,13 @@ biases applied to the scores (`Packed.scores`), `p v` as `mx.quantized_matmul`.
 `stable_group_rows` probes, once per head shape, which group sizes are exact
 here and picks one. `block_attention` is the other arithmetic: mlx's fused
 attention over one row's own prefill chunk, whose shape is fixed by that row's
-chunk boundaries alone (see kv/row_cache.RowKVCache.block).
+chunk boundaries alone (see kv/row_cache.RowKVCache.block). `BlockMode` and
+`Ragged` say what the running forward is (one row's chunk, a packed prefill, a
+verify block's real slots) to the projections and attention routes that read it.
 
 Oracle: tests/test_invariance.py (a row's output alone == batched == one query
-at a time; the probe's choice is needed: one shared matmul is not exact here).
+at a time; the probe's choice is needed: one shared matmul is not exact here;
+a ragged call keeps real slots' bits).
 """
 
 from __future__ import annotations
