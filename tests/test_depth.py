@@ -13,7 +13,7 @@ from mlx_tandem.engine.depth import (
     PROBE_SHARE,
     RECALIBRATE,
     AdaptiveDepth,
-    StepCosts,
+    DraftCost,
     size_bucket,
 )
 from mlx_tandem.engine.request import new_request
@@ -154,7 +154,7 @@ def test_drafting_cost_starts_from_a_measurement_not_zero():
     policy.steps = 1
     assert policy.depths(many) == [1] * 32  # unmeasured: one token, not k_max on a free guess
     policy.observe(many, [1] * 32, [0] * 32, 0.01, 0.55, 2)  # a drafted token costs ~0.85
-    assert abs(policy.costs[32].per_token_s - 0.26) < 1e-9
+    assert abs(policy.costs[32].fit(1).per_token_s - 0.26) < 1e-9
     assert policy.depths(many) == [0] * 32
 
 
@@ -195,7 +195,7 @@ def test_rows_that_propose_nothing_do_not_make_drafting_cost():
 
     assert max(run(True)) > 0
     assert chat[1].spec_offer < 0.2 and chat[1].spec_alpha is None
-    assert abs(policy.costs[16].per_token_s - 0.05) < 1e-6  # per drafted token, all rows
+    assert abs(policy.costs[16].fit(1).per_token_s - 0.05) < 1e-6  # per drafted token, all rows
     assert max(run(False)) == 0
 
 
@@ -203,14 +203,42 @@ def test_a_drafted_steps_own_cost_is_fitted_apart_from_its_tokens():
     """A drafted step costs f + t * x (x: drafted tokens per row). Steps with different x fit
     both; read per token only (one x seen), a step where few rows propose would charge its
     fixed part to those few tokens (the negative control: five times dearer here)."""
-    costs = StepCosts()
+    costs = DraftCost()
     for x in [0.1, 1.0, 0.1, 2.0, 0.5] * 4:
         costs.add(x, 0.02 + 0.05 * x, 0.2)
     assert abs(costs.fixed_s - 0.02) < 1e-6 and abs(costs.per_token_s - 0.05) < 1e-6
-    one = StepCosts()
+    one = DraftCost()
     one.add(0.1, 0.02 + 0.05 * 0.1, 0.2)
     assert one.fixed_s == 0 and one.per_token_s > 4.9 * 0.05
     policy = AdaptiveDepth(4)  # four copiers among 32 chat rows that seldom propose
     alphas, offers = [0.9] * 4 + [0.1] * 28, [1.0] * 4 + [0.05] * 28
     assert policy.shared_depth(alphas, costs.per_token_s / 0.3, offers, costs.fixed_s / 0.3) > 0
     assert policy.shared_depth(alphas, one.per_token_s / 0.3, offers) == 0
+
+
+def test_a_step_that_takes_one_more_projection_call_is_priced_by_its_own_measurements():
+    """With a row quantum of 30 (each projection call takes at most 30 rows), 8 rows drafting
+    2 tokens each (24 slots) take one call per projection, drafting 3 (32 slots) two. Each
+    call count has its own measured line: a depth is priced by the line of the calls it
+    needs, so the policy stops at the depth below the jump where the jump does not pay;
+    one line for every depth (quantum 0) extrapolates past the jump and drafts deeper
+    (the negative control)."""
+    def learned(quantum: int) -> AdaptiveDepth:
+        policy = AdaptiveDepth(4, quantum=quantum)
+        eight = rows(8, alpha=0.8)
+        policy.observe(eight, [0] * 8, [0] * 8, 0.0, 0.10, 1)
+        for k, step_s in [(1, 0.12), (2, 0.14), (3, 0.24), (4, 0.26), (1, 0.12), (2, 0.14),
+                          (3, 0.24), (4, 0.26)] * 3:  # a second call per projection past 30
+            policy.observe(eight, [k] * 8, [0] * 8, 0.0, step_s, k + 1)
+        return policy
+
+    eight = rows(8, alpha=0.9)
+    for r in eight:
+        r.spec_offer = 1.0
+    piecewise = learned(30)
+    assert set(piecewise.costs[8].drafted) == {1, 2}
+    piecewise.steps = 1
+    assert piecewise.depths(eight) == [2] * 8
+    linear = learned(0)
+    linear.steps = 1
+    assert max(linear.depths(eight)) > 2

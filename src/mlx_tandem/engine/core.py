@@ -33,7 +33,7 @@ import mlx.core as mx
 
 from mlx_tandem.engine.config import RuntimeConfig
 from mlx_tandem.engine.constraint import GrammarCompiler, grammar_masks
-from mlx_tandem.engine.depth import DepthPolicy, FixedDepth
+from mlx_tandem.engine.depth import AdaptiveDepth, DepthPolicy, FixedDepth
 from mlx_tandem.engine.draft_source import Drafts, DraftSource
 from mlx_tandem.engine.postprocess import accept_tokens
 from mlx_tandem.engine.prefill import (
@@ -81,6 +81,8 @@ class EngineCore:
             raise ValueError(recurrent_refusal(model.config))
         self.drafter = drafter
         self.depth = depth or FixedDepth(3)
+        if isinstance(self.depth, AdaptiveDepth):  # its step costs jump at whole projection calls
+            self.depth.quantum = self.runner.row_quantum
         self.stats = EngineStats()
         self.grammars = GrammarCompiler(
             model.tokenizer._tokenizer, model.graph.vocab_size, model.eos_token_ids

@@ -43,6 +43,7 @@ rows identical alone and batched), tests/test_depth.py (the decisions).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 from mlx_tandem.engine.request import Request
@@ -107,42 +108,63 @@ class FixedDepth:
         """A fixed depth learns nothing."""
 
 
-class StepCosts:
-    """Measured seconds for one batch-size bucket (exponentially smoothed): a plain step, and
-    a drafted step's extra seconds as `fixed_s + per_token_s * x`, x the drafted tokens per
-    row (a weighted least-squares line over recent drafted steps). Rows that propose nothing
-    add no tokens, but a drafted step has costs of its own (the lookups, the wider attention
-    block): fitted apart, a step where two rows of thirty-two propose does not make every
-    drafted token look sixteen times dearer. While the steps seen all drafted about the same
-    x, the line cannot be fitted and everything counts per token (the dearer reading)."""
+class DraftCost:
+    """A drafted step's extra seconds over a plain one as `fixed_s + per_token_s * x`, x the
+    drafted tokens per row: a weighted least-squares line over recent drafted steps
+    (exponentially decayed). Rows that propose nothing add no tokens, but a drafted step has
+    costs of its own (the lookups, the wider attention block): fitted apart, a step where two
+    rows of thirty-two propose does not make every drafted token look sixteen times dearer.
+    While the steps seen all drafted about the same x, the line cannot be fitted and
+    everything counts per token (the dearer reading)."""
 
     def __init__(self) -> None:
-        self.plain_s: float | None = None  # a verify with no drafts
-        self.per_token_s: float | None = None  # extra seconds per drafted token on every row
+        self.per_token_s = 0.0  # extra seconds per drafted token on every row
         self.fixed_s = 0.0  # extra seconds of any drafted step
-        self._sums = [0.0] * 5  # weight, x, x^2, extra, x * extra (exponentially decayed)
+        self._sums = [0.0] * 5  # weight, x, x^2, extra, x * extra
 
     def add(self, x: float, extra: float, smoothing: float) -> None:
         keep = 1 - smoothing
         self._sums = [keep * a + b for a, b in zip(self._sums, (1.0, x, x * x, extra, x * extra),
                                                    strict=True)]
         w, sx, sxx, se, sxe = self._sums
-        mx_, me = sx / w, se / w
-        var = sxx / w - mx_ * mx_
-        slope = (sxe / w - mx_ * me) / var if var > 0.01 * mx_ * mx_ else -1.0
-        fixed = me - slope * mx_
+        mean_x, mean_e = sx / w, se / w
+        var = sxx / w - mean_x * mean_x
+        slope = (sxe / w - mean_x * mean_e) / var if var > 0.01 * mean_x * mean_x else -1.0
+        fixed = mean_e - slope * mean_x
         if slope <= 0 or fixed < 0:  # not fittable yet: all of it per token
-            slope, fixed = me / mx_, 0.0
+            slope, fixed = mean_e / mean_x, 0.0
         self.per_token_s, self.fixed_s = slope, fixed
+
+
+class StepCosts:
+    """Measured seconds for one batch-size bucket: a plain step (exponentially smoothed), and
+    a DraftCost per number of projection calls a step takes (`pieces`: a verify of T real
+    slots calls each projection ceil(T / quantum) times, each call streaming the weight
+    again, so a step's cost jumps where T crosses a multiple of the quantum)."""
+
+    def __init__(self) -> None:
+        self.plain_s: float | None = None  # a verify with no drafts
+        self.drafted: dict[int, DraftCost] = {}
+
+    def fit(self, pieces: int) -> DraftCost | None:
+        """The line for `pieces` calls, else the nearest measured (the fewer on a tie: an
+        optimistic guess is tried once and then measured)."""
+        if not self.drafted:
+            return None
+        return self.drafted[min(self.drafted, key=lambda p: (abs(p - pieces), p))]
 
 
 class AdaptiveDepth:
     name = "adaptive"
 
-    def __init__(self, k_max: int, prior: float = 0.6, smoothing: float = 0.2) -> None:
+    def __init__(
+        self, k_max: int, prior: float = 0.6, smoothing: float = 0.2, quantum: int = 0
+    ) -> None:
         if k_max < 1:
             raise ValueError(f"adaptive depth needs num_draft_tokens >= 1, got {k_max}")
         self.k_max, self.prior, self.smoothing = k_max, prior, smoothing
+        self.quantum = quantum  # most rows one projection call takes (0: no limit); the engine
+        # sets its runner's (ModelRunner.row_quantum)
         # what a new shared row is assumed to do until it is measured: the recent rows' mean
         # (each request is a new row; a fixed optimistic prior makes every one pay to learn)
         self.seen_alpha, self.seen_offer = prior, 1.0
@@ -157,17 +179,21 @@ class AdaptiveDepth:
         return r.spec_alpha if r.spec_alpha is not None else self.prior
 
     def shared_depth(
-        self, alphas: list[float], c: float, offers: list[float] | None = None, fixed: float = 0.0
+        self, alphas: list[float], c: float = 0.0, offers: list[float] | None = None,
+        fixed: float = 0.0, cost: Callable[[int], float] | None = None,
     ) -> int:
         """The k in 0..k_max maximising the rows' expected tokens per unit of step time
         (`offers`: each row's share of steps its drafter proposes in; default always;
-        `fixed`: a drafted step's own cost, in plain steps)."""
+        `cost(k)`: a step drafting k, in plain steps; default 1 + fixed + k c (mean offer))."""
         offers = offers or [1.0] * len(alphas)
         drafting = sum(offers) / max(1, len(offers))  # rows that propose pay; the rest do not
+        if cost is None:
+            def cost(k: int) -> float:
+                return 1 + fixed + k * c * drafting
         best, best_rate = 0, float(len(alphas))
         for k in range(1, self.k_max + 1):
             gains = (o * (expected_tokens(a, k) - 1) for a, o in zip(alphas, offers, strict=True))
-            rate = (len(alphas) + sum(gains)) / (1 + fixed + k * c * drafting)
+            rate = (len(alphas) + sum(gains)) / cost(k)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
@@ -179,14 +205,14 @@ class AdaptiveDepth:
         shared = [r for r, own in zip(requests, local, strict=True) if not own]
         if costs.plain_s is None or self.steps % RECALIBRATE == 0:
             k = 0  # a plain step: measures what a step of this size costs right now
-        elif costs.per_token_s is None:
+        elif not costs.drafted:
             k = 1  # one drafted token measures what drafting costs at this size (not 0 s)
         else:
-            c, fixed = costs.per_token_s / costs.plain_s, costs.fixed_s / costs.plain_s
             alphas = [self.seen_alpha if r.spec_alpha is None else r.spec_alpha for r in shared]
             offers = [self.seen_offer if r.spec_offer is None else r.spec_offer for r in shared]
-            k = self.shared_depth(alphas, c, offers, fixed)
-            k = self._probe(k, fixed + c)
+            cost = self._cost(costs, len(requests), sum(offers))
+            k = self.shared_depth(alphas, offers=offers, cost=cost)
+            k = self._probe(k, cost(1) - 1)
         out = []
         for r, own in zip(requests, local, strict=True):
             if own:
@@ -199,6 +225,22 @@ class AdaptiveDepth:
         self._asked = out
         self._local = {id(r) for r, own in zip(requests, local, strict=True) if own}
         return out
+
+    def pieces(self, tokens: float) -> int:
+        """Projection calls a verify of `tokens` real slots takes (1 without a quantum)."""
+        return math.ceil(tokens / self.quantum) if self.quantum else 1
+
+    def _cost(self, costs: StepCosts, rows: int, proposing: float) -> Callable[[int], float]:
+        """A step drafting k, in plain steps: `proposing` rows (expected) add k slots each."""
+        assert costs.plain_s is not None
+
+        def cost(k: int) -> float:
+            x = k * proposing / rows
+            fit = costs.fit(self.pieces(rows + k * proposing))
+            assert fit is not None
+            return 1 + (fit.fixed_s + fit.per_token_s * x) / costs.plain_s
+
+        return cost
 
     def _probe(self, k: int, c: float) -> int:
         """k, or 1 when drafting is off and a probe is due (backing off while probes fail).
@@ -230,8 +272,12 @@ class AdaptiveDepth:
                 got = 1.0 if d else 0.0
                 r.spec_offer = got if r.spec_offer is None else (1 - s) * r.spec_offer + s * got
                 self.seen_offer = (1 - s) * self.seen_offer + s * got
-            if d:  # a shared row's first drafts say little: it starts from the recent rows'
-                rate = a / d  # mean (a row-local one from its own first rate: its history only)
+            if d:  # drafts checked until the first rejection: a accepted of a + (a < d)
+                # trials (the drafts after a rejection were never tested: a / d would
+                # count them as failures). A shared row's first drafts say little: it
+                # starts from the recent rows' mean (a row-local one from its own first
+                # rate: its history only).
+                rate = a / (a + (a < d))
                 known = r.spec_alpha
                 if known is None:
                     known = rate if id(r) in self._local else self.seen_alpha
@@ -245,4 +291,5 @@ class AdaptiveDepth:
         elif costs.plain_s is not None and sum(drafted):  # the verify runs only real slots'
             # projections (kv/attention.Ragged), so its cost follows the drafted tokens
             extra = draft_s + max(0.0, verify_s - costs.plain_s)
-            costs.add(sum(drafted) / len(requests), extra, s)
+            fit = costs.drafted.setdefault(self.pieces(len(requests) + sum(drafted)), DraftCost())
+            fit.add(sum(drafted) / len(requests), extra, s)

@@ -38,6 +38,7 @@ from mlx_tandem.models.invariance import (
     head_planned,
     pack_alignment,
     probe_plan,
+    row_quantum,
     row_stable,
 )
 from mlx_tandem.models.loader import LoadedModel
@@ -56,9 +57,11 @@ class ModelRunner:
         self.hidden_size = int(model.config.get("hidden_size") or embed.weight.shape[-1])
         self.hidden_dtype = getattr(embed, "scales", embed.weight).dtype
         self.pack_unit = 0  # prompts prefilled together: packed calls, at offsets of this unit
+        self.row_quantum = 0  # most rows one projection call of a forward takes (0: any)
         if batch_invariant:
             stable, _ = row_stable(model.model, self.block, model.row_plans)
             self.pack_unit = pack_alignment(stable)
+            self.row_quantum = row_quantum(stable)
             self.graph: MlxLmGraph = bind_graph(stable)
             if not head_planned(stable):  # e.g. a tied quantized embedding
                 head_plan = probe_plan(self.graph.head, self.hidden_size)

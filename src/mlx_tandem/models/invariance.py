@@ -282,6 +282,15 @@ def pack_alignment(stable: nn.Module) -> int:
     return unit
 
 
+def row_quantum(stable: nn.Module) -> int:
+    """The most rows one call of every planned projection takes in a decode or verify
+    forward (0: no projection splits its calls). A forward of T rows calls each of those
+    ceil(T / quantum) times, each call streaming the weight again."""
+    sizes = [m.plan.wide if m.plan.turned_from else m.plan.chunk
+             for m in stable.modules() if isinstance(m, RowStableProjection)]
+    return min((q for q in sizes if q), default=0)
+
+
 def _pieces(fn: Fn, flat: mx.array, most: int) -> mx.array:
     """fn over flat's rows in even pieces of at most `most` rows (every such size is exact)."""
     rows = flat.shape[0]
