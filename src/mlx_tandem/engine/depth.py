@@ -3,33 +3,35 @@
 `FixedDepth(k)`: k for every row (capped by the request's own limit and by the
 tokens it may still generate).
 `AdaptiveDepth(k_max)`: decides from measured goodput — tokens per second, not
-acceptance alone. A step's verify forward is as wide as its widest row, so rows
-whose drafts are deterministic share one depth k per step, chosen to maximise
+acceptance alone. Rows whose drafts are deterministic share one depth k per step,
+chosen to maximise
 
     sum over rows of E_i(k) / cost(k),   E_i(k) = 1 + o_i * ((1 - a_i^(k+1)) / (1 - a_i) - 1),
-    cost(k) = 1 + f_B + k * c_B * mean_i(o_i),
 
-against k = 0 (plain decoding: every row emits one token at cost 1). A bucket's first
-drafted step drafts one token, so c_B starts from a measurement, not from zero. a_i is the
-row's acceptance estimate and o_i the share of steps it was asked to draft in which
-its drafter proposed anything (prompt lookup finds no match on most chat rows: a row
-that proposes nothing emits one token, and its acceptance is never measured), both
-on the Request (a row not measured yet counts as the recent rows' smoothed mean, not
-as a fixed prior: every request is a new row, and an optimistic guess makes each one
-pay for drafts its kind of prompt never gets accepted; a row's own measurements start
-from that mean too, so one lucky first draft does not make it look like a copier); c_B is
-the measured extra time of one more drafted-and-verified token on every row relative to a
-plain step, and f_B a drafted step's own extra time, fitted apart (StepCosts): a verify
-runs its projections on real slots only (kv/attention.Ragged), so a row that proposes
-nothing costs nearly nothing; both are kept per batch-size bucket B (vLLM's per-batch-size K: a wider verify costs little at B = 1 and
-almost its full width once the batch is compute-bound). Every RECALIBRATE steps
-(and the first time a bucket is seen) all rows take a plain step, which measures
-that bucket's plain step now; when drafting is off every row probes depth 1
-together, so estimates recover when drafting would pay again — first PROBE steps
-apart, the interval doubling (up to PROBE_MAX) after each probe that did not turn
-drafting on, back to PROBE once it does, and never closer than c_B / PROBE_SHARE
-steps: at a large batch a probe costs nearly a whole extra step, and chat that never
-drafts should not pay more than PROBE_SHARE (2%) of its time for it.
+against k = 0 (plain decoding: every row emits one token at cost 1).
+  * a_i: the row's acceptance per checked draft (a accepted of a + (a < d) drafts
+    checked: the drafts after a rejection were never tested); o_i: the share of steps
+    it was asked to draft in which its drafter proposed anything (prompt lookup finds
+    no match on most chat rows). Both on the Request. A row not measured yet counts as
+    the recent rows' smoothed mean, and its own measurements start from that mean:
+    every request is a new row, and an optimistic prior (or one lucky first draft)
+    makes each chat row pay for drafts its kind of prompt never gets accepted.
+  * cost(k), in plain steps of this batch-size bucket (vLLM's per-batch-size K): a
+    verify runs its projections on real slots only (kv/attention.Ragged), so a step
+    drafting k costs `1 + (f + c * x) / plain`, x = k * sum(o_i) / B the drafted tokens
+    per row, with f (a drafted step's own cost) and c fitted apart from measured steps
+    (DraftCost). The line is kept per number of projection calls the step needs
+    (ceil(slots / quantum): each call streams the weights again, so a step's cost jumps
+    where its slots cross a multiple of the runner's row quantum): a depth is priced by
+    the measurements of the calls it needs.
+A bucket's first drafted step drafts one token, so costs start from a measurement, not
+from zero. Every RECALIBRATE steps (and the first time a bucket is seen) all rows take
+a plain step, which measures that bucket's plain step now; when drafting is off every
+row probes depth 1 together, so estimates recover when drafting would pay again — first
+PROBE steps apart, the interval doubling (up to PROBE_MAX) after each probe that did not
+turn drafting on, back to PROBE once it does, and never closer than cost(1) /
+PROBE_SHARE steps: at a large batch a probe costs nearly a whole extra step, and chat
+that never drafts should not pay more than PROBE_SHARE (2%) of its time for it.
 
 Rows whose drafts are stochastic (a drafter sampling a sampled row) keep a
 row-local depth — their own acceptance and a fixed cost ratio, never the
