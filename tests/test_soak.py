@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 def test_soak_small(real_model):
     real_model("smollm2-135m", "float32")  # fetched and prepared before the server starts
-    result = soak.run("smollm2-135m", clients=12, requests=30, seed=3, request_timeout=240)
+    result = soak.run("smollm2-135m", clients=8, requests=20, seed=3, request_timeout=240)
     print(soak.table(result))
     assert result["lost"] == result["truncated"] == result["mismatched"] == 0, result["details"]
     assert result["greedy"] > 12 and result["disconnected"] > 0 and result["refused_400"] > 0
