@@ -9,8 +9,7 @@ chosen to maximise
     sum over rows of E_i(k) / cost(k),   E_i(k) = 1 + o_i * ((1 - a_i^(k+1)) / (1 - a_i) - 1),
 
 against k = 0 (plain decoding: every row emits one token at cost 1).
-  * a_i: the row's acceptance per checked draft (a accepted of a + (a < d) drafts
-    checked: the drafts after a rejection were never tested); o_i: the share of steps
+  * a_i: the row's acceptance (a accepted of d drafted, smoothed); o_i: the share of steps
     it was asked to draft in which its drafter proposed anything (prompt lookup finds
     no match on most chat rows). Both on the Request. A row not measured yet counts as
     the recent rows' smoothed mean, and its own measurements start from that mean:
@@ -274,12 +273,12 @@ class AdaptiveDepth:
                 got = 1.0 if d else 0.0
                 r.spec_offer = got if r.spec_offer is None else (1 - s) * r.spec_offer + s * got
                 self.seen_offer = (1 - s) * self.seen_offer + s * got
-            if d:  # drafts checked until the first rejection: a accepted of a + (a < d)
-                # trials (the drafts after a rejection were never tested: a / d would
-                # count them as failures). A shared row's first drafts say little: it
-                # starts from the recent rows' mean (a row-local one from its own first
-                # rate: its history only).
-                rate = a / (a + (a < d))
+            if d:  # a / d: the drafts after a rejection count as failures, which reads
+                # acceptance low where it decays with position (prompt lookup on chat);
+                # a / (a + (a < d)) drafted more on chat and cost it (docs/BENCHMARKS.md,
+                # session 7). A shared row's first drafts say little: it starts from the
+                # recent rows' mean (a row-local one from its own first rate: its history).
+                rate = a / d
                 known = r.spec_alpha
                 if known is None:
                     known = rate if id(r) in self._local else self.seen_alpha
