@@ -58,6 +58,7 @@ class ModelRunner:
         self.hidden_dtype = getattr(embed, "scales", embed.weight).dtype
         self.pack_unit = 0  # prompts prefilled together: packed calls, at offsets of this unit
         self.row_quantum = 0  # most rows one projection call of a forward takes (0: any)
+        self._last_ragged: tuple[tuple | None, Ragged | None] = (None, None)
         if batch_invariant:
             stable, _ = row_stable(model.model, self.block, model.row_plans)
             self.pack_unit = pack_alignment(stable)
@@ -180,7 +181,7 @@ class ModelRunner:
                 c.prepare(lengths=lengths)
         self.block.recurrence, self.block.packed = prefill, packed
         if ragged and not prefill:  # verify blocks: projections run the real slots only
-            self.block.ragged = Ragged.of(lengths, L)
+            self.block.ragged = self._ragged(lengths, L)
         try:
             hidden = self.graph.forward_hidden(ids, rows.layers)
         finally:
@@ -197,11 +198,18 @@ class ModelRunner:
         """Logits at `which` positions; with "all" and `lengths`, the head runs row i's first
         lengths[i] slots only (the others get a stand-in: kv/attention.Ragged)."""
         if isinstance(which, str) and which == "all" and lengths is not None:
-            self.block.ragged = Ragged.of(lengths, hidden.shape[1])
+            self.block.ragged = self._ragged(lengths, hidden.shape[1])
         try:
             return self.graph.project_logits(hidden, which)
         finally:
             self.block.ragged = None
+
+    def _ragged(self, lengths: list[int], width: int) -> Ragged | None:
+        """Ragged.of, built once for a verify's forward and its logits (the same rows)."""
+        key = (tuple(lengths), width)
+        if self._last_ragged[0] != key:
+            self._last_ragged = (key, Ragged.of(lengths, width))
+        return self._last_ragged[1]
 
 
 def _first_kv(cache: object) -> RowKVCache | None:
