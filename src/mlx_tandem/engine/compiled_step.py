@@ -1,4 +1,4 @@
-"""Compiled one-token decode step for the plain path, with mlx-lm's arithmetic.
+"""Compiled one-token decode step, for the plain path and the rows engine's decode forward.
 
 A decode step is split at each layer's cache write + attention (whose shapes grow
 every step, so they stay eager, run by mlx-lm's own cache and SDPA code); everything
@@ -11,9 +11,17 @@ Families with a known layer layout only (mlx-lm's llama and gemma3_text) and mlx
 own KV caches; anything else gets `None` and the caller keeps the eager step. The
 segments hold the model's weights as traced constants: build one per generation.
 
+`rows=True` is the rows engine's form (engine/runner.py): the row-stable model copy, its
+row caches (kv/row_cache.RowKVCache, per-row offsets) and their batch-invariant
+`attend` between the segments; it returns the final hidden (B, 1, D) and leaves the head
+to the runner. The segments trace the planned projections as they run outside a row's
+own prefill chunk, with no ragged slots: the runner calls it only for one-token decode
+forwards, where that is what the eager forward runs. One trace per batch size.
+
 Oracle: tests/test_generate_parity.py (compiled vs eager vs mlx-lm `generate_step`,
 tokens and logprobs bit-identical on tiny llama / gemma3), tests/test_real_models.py::
-test_plain_path_is_bit_identical_to_mlx_lm (real SmolLM2).
+test_plain_path_is_bit_identical_to_mlx_lm (real SmolLM2); for rows,
+tests/test_engine.py::test_compiled_rows_decode_equals_the_eager_forward.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from mlx_lm.models import gemma3_text, llama
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from mlx_tandem.kv.row_cache import RowKVCache
 from mlx_tandem.models.graph import MlxLmGraph
 
 Segment = Callable[..., Any]
@@ -63,12 +72,14 @@ def _post_gemma3(layer: nn.Module, x: mx.array, o: mx.array) -> mx.array:
 
 
 class CompiledStep:
-    """`step(ids (1, 1), caches) -> logits (1, V)`: one token through the model."""
+    """`step(ids (1, 1), caches) -> logits (1, V)`: one token through the model; with
+    `rows`, `step(ids (B, 1), row caches) -> hidden (B, 1, D)`."""
 
-    def __init__(self, graph: MlxLmGraph, backbone: nn.Module, kind: str):
+    def __init__(self, graph: MlxLmGraph, backbone: nn.Module, kind: str, rows: bool = False):
         self.graph = graph
         self.backbone = backbone
         self.kind = kind
+        self.rows = rows
         layers = backbone.layers
         norms = kind == "gemma3"
         post = _post_gemma3 if norms else _post_llama
@@ -87,7 +98,7 @@ class CompiledStep:
 
         def last(x: mx.array, o: mx.array) -> mx.array:
             hidden = backbone.norm(post(layers[-1], x, o))
-            return graph.project_logits(hidden, "last")[:, -1, :]
+            return hidden if rows else graph.project_logits(hidden, "last")[:, -1, :]
 
         self.segments: list[Segment] = [mx.compile(first)]
         self.segments += [mx.compile(between(i)) for i in range(len(layers) - 1)]
@@ -111,14 +122,18 @@ class CompiledStep:
         return [local if layer.use_sliding else full for layer in bb.layers]
 
     def __call__(self, ids: mx.array, caches: list[Any]) -> mx.array:
-        offset = mx.array(caches[0].offset, dtype=mx.int32)
+        offset = caches[0].offset if self.rows else mx.array(caches[0].offset, dtype=mx.int32)
         x, q, k, v = self.segments[0](ids, offset)
         masks = self._masks(x, caches)
         for i, (layer, cache) in enumerate(zip(self.backbone.layers, caches, strict=True)):
             keys, values = cache.update_and_fetch(k, v)
-            o = scaled_dot_product_attention(
-                q, keys, values, cache=cache, scale=layer.self_attn.scale, mask=masks[i]
-            )
+            scale = layer.self_attn.scale
+            if self.rows:  # the route's call (kv/routing.py), outside a prefill chunk
+                o = cache.attend(q, keys, values, scale=scale, mask=masks[i])
+            else:
+                o = scaled_dot_product_attention(
+                    q, keys, values, cache=cache, scale=scale, mask=masks[i]
+                )
             if i + 1 < len(caches):
                 x, q, k, v = self.segments[i + 1](x, o, offset)
             else:
@@ -126,21 +141,23 @@ class CompiledStep:
         raise AssertionError("a model without layers")
 
 
-def compiled_step(graph: MlxLmGraph, caches: list[Any]) -> CompiledStep | None:
+def compiled_step(graph: MlxLmGraph, caches: list[Any], rows: bool = False) -> CompiledStep | None:
     """A compiled decode step for this model and caches, or None if not covered
-    (another family, or caches other than mlx-lm's plain and rotating KV caches)."""
+    (another family, or caches other than mlx-lm's plain and rotating KV caches, or with
+    `rows` than row KV caches)."""
     backbone = graph.backbone
     layers = getattr(backbone, "layers", None)
     if not layers or len(caches) != len(layers):
         return None
-    if not all(type(c) in (KVCache, RotatingKVCache) for c in caches):
+    kinds = (RowKVCache,) if rows else (KVCache, RotatingKVCache)
+    if not all(type(c) in kinds for c in caches):
         return None
     if isinstance(backbone, llama.LlamaModel) and all(
         type(layer) is llama.TransformerBlock for layer in layers
     ):
-        return CompiledStep(graph, backbone, "llama")
+        return CompiledStep(graph, backbone, "llama", rows)
     if isinstance(backbone, gemma3_text.Gemma3Model) and all(
         type(layer) is gemma3_text.TransformerBlock for layer in layers
     ):
-        return CompiledStep(graph, backbone, "gemma3")
+        return CompiledStep(graph, backbone, "gemma3", rows)
     return None

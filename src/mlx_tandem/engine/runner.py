@@ -6,6 +6,9 @@ Two kinds of forward, and nothing else touches the model:
     is the same whatever else is running);
   * `forward(rows, ids, lengths)`: every row of the cohort, L tokens each
     (ragged rows right-padded).
+A one-token decode forward (no drafts, no prefill) runs as compiled segments between
+the attentions where the family is covered (engine/compiled_step.py, `rows=True`): the
+same planned projections and row-cache attention, with element-wise primitives fused.
 Both run a row-stable copy of the model (models/invariance.row_stable: every
 projection follows its probed RowPlan; `prefill` chunks use block arithmetic,
 fixed by the row's own chunk boundaries) and
@@ -26,6 +29,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
+from mlx_tandem.engine.compiled_step import CompiledStep, compiled_step
 from mlx_tandem.kv.attention import BlockMode, Ragged
 from mlx_tandem.kv.calibrated import CALIBRATION, layer_stats
 from mlx_tandem.kv.codec import FP, CodecSpec, KVCodec, check_dims, parse_codec
@@ -46,7 +50,11 @@ from mlx_tandem.models.loader import LoadedModel
 
 class ModelRunner:
     def __init__(
-        self, model: LoadedModel, batch_invariant: bool = True, kv_codec: str | CodecSpec = "fp"
+        self,
+        model: LoadedModel,
+        batch_invariant: bool = True,
+        kv_codec: str | CodecSpec = "fp",
+        compiled: bool = True,
     ) -> None:
         self.model = model
         self.kv_spec = kv_codec if isinstance(kv_codec, CodecSpec) else parse_codec(kv_codec)
@@ -59,6 +67,7 @@ class ModelRunner:
         self.pack_unit = 0  # prompts prefilled together: packed calls, at offsets of this unit
         self.row_quantum = 0  # most rows one projection call of a forward takes (0: any)
         self._last_ragged: tuple[tuple | None, Ragged | None] = (None, None)
+        self._decode: CompiledStep | None | bool = compiled and batch_invariant  # False: never; True: not built yet
         if batch_invariant:
             stable, _ = row_stable(model.model, self.block, model.row_plans)
             self.pack_unit = pack_alignment(stable)
@@ -183,7 +192,8 @@ class ModelRunner:
         if ragged and not prefill:  # verify blocks: projections run the real slots only
             self.block.ragged = self._ragged(lengths, L)
         try:
-            hidden = self.graph.forward_hidden(ids, rows.layers)
+            step = None if prefill or ragged or L != 1 else self._decode_step(rows)
+            hidden = (step or self.graph.forward_hidden)(ids, rows.layers)
         finally:
             self.block.recurrence = self.block.packed = False
             self.block.ragged = None
@@ -191,6 +201,12 @@ class ModelRunner:
             for c in recurrent:
                 c.finalize()
         return hidden
+
+    def _decode_step(self, rows: StateRows) -> CompiledStep | None:
+        """The compiled one-token forward, built on first use (None: not covered)."""
+        if self._decode is True:
+            self._decode = compiled_step(self.graph, rows.layers, rows=True) or False
+        return self._decode or None
 
     def logits(
         self, hidden: mx.array, which: Which = "last", lengths: list[int] | None = None
