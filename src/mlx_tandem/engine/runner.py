@@ -67,7 +67,8 @@ class ModelRunner:
         self.pack_unit = 0  # prompts prefilled together: packed calls, at offsets of this unit
         self.row_quantum = 0  # most rows one projection call of a forward takes (0: any)
         self._last_ragged: tuple[tuple | None, Ragged | None] = (None, None)
-        self._decode: CompiledStep | None | bool = compiled and batch_invariant  # False: never; True: not built yet
+        # the compiled one-token forward: True until built, then it or False (not covered)
+        self._decode: CompiledStep | bool = compiled and batch_invariant
         if batch_invariant:
             stable, _ = row_stable(model.model, self.block, model.row_plans)
             self.pack_unit = pack_alignment(stable)
@@ -206,7 +207,7 @@ class ModelRunner:
         """The compiled one-token forward, built on first use (None: not covered)."""
         if self._decode is True:
             self._decode = compiled_step(self.graph, rows.layers, rows=True) or False
-        return self._decode or None
+        return self._decode if isinstance(self._decode, CompiledStep) else None
 
     def logits(
         self, hidden: mx.array, which: Which = "last", lengths: list[int] | None = None
