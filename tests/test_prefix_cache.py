@@ -1,6 +1,8 @@
 """The prefix cache: warm rows equal cold rows bit for bit; eviction keeps its budget."""
 
 import random
+from dataclasses import replace
+from itertools import pairwise
 
 import mlx.core as mx
 import pytest
@@ -8,7 +10,8 @@ import pytest
 from mlx_tandem import SamplingParams
 from mlx_tandem.engine.config import RuntimeConfig, parse_cache_bytes
 from mlx_tandem.engine.core import EngineCore
-from mlx_tandem.kv.prefix_cache import Block, PrefixCache
+from mlx_tandem.engine.prefill import PrefillPolicy
+from mlx_tandem.kv.prefix_cache import Block, Cuts, PrefixCache
 from mlx_tandem.kv.state_rows import RowSpan
 from mlx_tandem.server.metrics import Metrics, parse
 
@@ -47,26 +50,30 @@ def prompts(seed: int) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "lfm2", "qwen3_5"])
-def test_warm_rows_equal_cold_rows(tiny_model, arch):
+@pytest.mark.parametrize(("arch", "taper"), [("llama", 0), ("gemma3_text", 0), ("lfm2", 0),
+                                             ("qwen3_5", 0), ("llama", 24)])
+def test_warm_rows_equal_cold_rows(tiny_model, arch, taper):
     """Every request served from cached chunks gives the tokens and logprobs of the same
-    request run alone on an engine without a cache (hybrids: recurrent-state snapshots)."""
+    request run alone on an engine without a cache (hybrids: recurrent-state snapshots).
+    taper: chunks shrink with depth (16, 8, 8, ...) and the cache's blocks are those chunks.
+    Negative control (tapered): a warm engine that cuts fixed chunks after its hits."""
     model = tiny_model(arch)
     ps = prompts(1)
     cold = []
     for i, p in enumerate(ps):
-        engine = EngineCore(model, config(0))
+        engine = EngineCore(model, config(0, prefill_taper=taper))
         assert engine.scheduler.prefix_cache is None
         h = engine.submit(p, params(i))
         engine.run_until_idle()
         cold.append(h.result())
-    engine = EngineCore(model, config(1 << 30, max_rows=4))
+    engine = EngineCore(model, config(1 << 30, max_rows=4, prefill_taper=taper))
+    assert engine.prefill_policy.cuts.at(3 * CHUNK) == (8 if taper else CHUNK)
     warm = run_with_gaps(engine, ps, [params(i) for i in range(len(ps))], seed=3)
     assert outputs(warm) == outputs(cold)
     stats = engine.scheduler.prefix_cache.stats
     assert stats.hits >= 4 and stats.hit_tokens >= 8 * CHUNK, stats
     # sequentially: each prompt's whole shared chunks were cached by an earlier row
-    engine = EngineCore(model, config(1 << 30))
+    engine = EngineCore(model, config(1 << 30, prefill_taper=taper))
     stats = engine.scheduler.prefix_cache.stats
     for i, p in enumerate(ps):
         served = stats.hit_tokens
@@ -76,6 +83,11 @@ def test_warm_rows_equal_cold_rows(tiny_model, arch):
         if i == len(ps) - 1:  # a repeated prompt is served whole, its tail included
             assert stats.hit_tokens - served == len(p) - 1
     assert stats.hits >= 5
+    if taper:
+        engine = EngineCore(model, config(1 << 30, max_rows=4, prefill_taper=taper))
+        engine.prefill_policy = replace(engine.prefill_policy, taper=0)
+        broken = run_with_gaps(engine, ps, [params(i) for i in range(len(ps))], seed=3)
+        assert outputs(broken) != outputs(cold)
 
 
 def short_prompts(seed: int) -> list[list[int]]:
@@ -108,15 +120,15 @@ def test_short_prompts_warm_equal_cold(tiny_model, arch):
         cold.append(h.result())
     engine = EngineCore(model, short_config(1 << 30, max_rows=4))
     cache = engine.scheduler.short_cache
-    assert cache is not None and cache.block == engine.runner.pack_unit > 1
+    assert cache is not None and cache.cuts.size == engine.runner.pack_unit > 1
     warm = run_with_gaps(engine, ps + ps, [params(i) for i in range(len(ps))] * 2, seed=5)
     assert outputs(warm) == outputs(cold) * 2
-    assert cache.stats.hits >= len(ps) and cache.stats.hit_tokens >= 8 * cache.block, cache.stats
+    assert cache.stats.hits >= len(ps) and cache.stats.hit_tokens >= 8 * cache.cuts.size, cache.stats
     served = cache.stats.hit_tokens  # a repeated prompt is served whole (its tail cached)
     assert outputs(sequential(engine, ps[3:4], [3])) == outputs(cold[3:4])
     assert cache.stats.hit_tokens - served == len(ps[3]) - 1
     if arch == "llama":  # negative controls: blocks off the unit; tails served to longer prompts
-        for broken in (PrefixCache(1 << 30, cache.block + 1), PrefixTails(1 << 30, cache.block)):
+        for broken in (PrefixCache(1 << 30, cache.cuts.size + 1), PrefixTails(1 << 30, cache.cuts.size)):
             engine = EngineCore(model, short_config(1 << 30))
             engine.scheduler.short_cache = broken
             again = sequential(engine, ps * 2, [*range(len(ps))] * 2)
@@ -137,12 +149,12 @@ class PrefixTails(PrefixCache):
 
     def lookup(self, tokens):
         found = super().lookup(tokens)
-        if len(found) * self.block > len(tokens) or len(found) < len(tokens) // self.block:
+        keys, rest = self._keys(tokens)
+        if len(found) != len(keys):  # a miss, or a whole hit (its own tail)
             return found
         node = self._root
-        for key in self._keys(tokens):
+        for key in keys:
             node = node.children[key]
-        rest = tuple(tokens[len(found) * self.block :])
         for key, child in node.children.items():
             if len(key) < len(rest) and rest[: len(key)] == key and child.block is not None:
                 return [*found, child.block]
@@ -211,7 +223,7 @@ def fake_block(nbytes: int, start: int = 0, end: int = 1) -> Block:
 
 
 def test_lru_evicts_leaves_and_protects_the_path():
-    cache = PrefixCache(budget=300, block=2)
+    cache = PrefixCache(budget=300, cuts=2)
     assert cache.insert([1, 2], lambda: fake_block(100))
     assert cache.insert([1, 2, 3, 4], lambda: fake_block(100))
     assert cache.insert([5, 6], lambda: fake_block(100))
@@ -232,7 +244,7 @@ def test_lru_evicts_leaves_and_protects_the_path():
 def test_a_tail_serves_only_its_exact_prompt():
     """A prompt's final partial block is kept under its whole blocks and served only to the
     same prompt, never to one that merely starts with it."""
-    cache = PrefixCache(budget=1000, block=2)
+    cache = PrefixCache(budget=1000, cuts=2)
     assert cache.insert([1, 2], lambda: fake_block(100, 0, 2))
     assert cache.insert([1, 2, 3], lambda: fake_block(100, 2, 3))  # a tail under [1, 2]
     assert cache.insert([7], lambda: fake_block(100, 0, 1))  # a tail under the root
@@ -427,3 +439,21 @@ def test_cached_bytes_are_the_memory_it_holds(tiny_model, arch):
     finally:
         mx.set_cache_limit(limit)
     assert held > 0 and abs(freed - held) < 0.05 * held, (freed, held)
+
+
+def test_chunks_shrink_with_depth_as_a_function_of_position():
+    cuts = Cuts(128, 744)
+    assert cuts.at(0) == 128 and cuts.at(744) == 64 and 8 <= cuts.at(1900) <= 40
+    ends = cuts.ends(2000)
+    assert ends[0] == 128 and all(b - a == cuts.at(a) for a, b in pairwise(ends))
+    assert ends[-1] <= 2000 < ends[-1] + cuts.at(ends[-1])
+    assert cuts.start_of(ends[3]) == ends[2] and cuts.start_of(ends[3] + 1) == ends[3]
+    assert Cuts(16).ends(40) == [16, 32] and Cuts(16).start_of(40) == 32
+    smollm2 = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
+               "intermediate_size": 1536, "num_hidden_layers": 30}
+    policy = PrefillPolicy.resolve(smollm2, RuntimeConfig.resolve(environ={}), 8 << 30, "cpu")
+    assert policy.chunk == 128 and 500 < policy.taper < 1000  # attention ~ projections there
+    fixed = RuntimeConfig.resolve(environ={}, prefill_chunk=64)
+    assert PrefillPolicy.resolve(smollm2, fixed, 8 << 30, "cpu").taper == 0
+    off = RuntimeConfig.resolve(environ={}, prefill_taper=0)
+    assert PrefillPolicy.resolve(smollm2, off, 8 << 30, "cpu").cuts.at(5000) == 128

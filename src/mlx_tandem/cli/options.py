@@ -126,6 +126,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="prompt tokens per prefill chunk (default: auto)",
     )
+    p.add_argument(
+        "--prefill-taper",
+        type=int,
+        default=None,
+        help="prompt depth at which a chunk is half its size (0: every chunk the same; "
+        "default: auto, where a token's attention costs as much as its projections)",
+    )
     p.add_argument("--memory-budget", default=None, help="KV-cache budget, e.g. 4G (default: auto)")
     p.add_argument(
         "--batch-invariant",
@@ -173,6 +180,7 @@ def runtime_config(args: argparse.Namespace):
     return RuntimeConfig.resolve(
         max_rows=args.max_rows,
         prefill_chunk=args.prefill_chunk,
+        prefill_taper=getattr(args, "prefill_taper", None),
         memory_budget=parse_bytes(args.memory_budget) if args.memory_budget else None,
         batch_invariant=args.batch_invariant,
         kv_codec=kv_codec,

@@ -149,8 +149,8 @@ def compiled_step(graph: MlxLmGraph, caches: list[Any], rows: bool = False) -> C
     layers = getattr(backbone, "layers", None)
     if not layers or len(caches) != len(layers):
         return None
-    kinds = (RowKVCache,) if rows else (KVCache, RotatingKVCache)
-    if not all(type(c) in kinds for c in caches):
+    if not all(isinstance(c, RowKVCache) if rows else type(c) in (KVCache, RotatingKVCache)
+               for c in caches):
         return None
     if isinstance(backbone, llama.LlamaModel) and all(
         type(layer) is llama.TransformerBlock for layer in layers

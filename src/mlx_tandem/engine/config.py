@@ -68,6 +68,7 @@ def _bool(text: str, name: str) -> bool:
 class RuntimeConfig:
     max_rows: int = 16
     prefill_chunk: int | None = None
+    prefill_taper: int | None = None  # None: from the model (a fixed prefill_chunk: 0)
     prefill_stall_ms: int = 1000
     memory_budget: int | None = None
     max_queue: int = 256
@@ -80,6 +81,8 @@ class RuntimeConfig:
             raise ValueError(f"max_rows must be >= 1, got {self.max_rows}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.prefill_taper is not None and self.prefill_taper < 0:
+            raise ValueError(f"prefill_taper must be >= 0, got {self.prefill_taper}")
         if self.prefill_stall_ms < 0:
             raise ValueError(f"prefill_stall_ms must be >= 0, got {self.prefill_stall_ms}")
         if self.memory_budget is not None and self.memory_budget <= 0:

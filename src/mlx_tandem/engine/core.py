@@ -100,7 +100,7 @@ class EngineCore:
             cache_bytes = prefix_cache_budget(model, budget)
         if cache_bytes:  # a quarter for short prompts, where no layer keeps recurrent state
             short = cache_bytes // 4 if self.runner.attention_only() else 0
-            self.scheduler.prefix_cache = PrefixCache(cache_bytes - short, self.prefill_policy.chunk)
+            self.scheduler.prefix_cache = PrefixCache(cache_bytes - short, self.prefill_policy.cuts)
             if short:
                 self.scheduler.short_cache = PrefixCache(short, self.runner.pack_unit or SHORT_UNIT)
         self.running: list[Request] = []
@@ -338,9 +338,9 @@ class EngineCore:
                 hit = start_from_cache(self.scheduler.prefix_cache, request)  # engine/prefill.py
                 last = last if hit is None else hit
             todo = request.prompt[request.prefilled : len(request.prompt) - 1]
-            piece = todo[: self.prefill_policy.chunk]
+            piece = todo[: self.prefill_policy.cuts.at(request.prefilled)]  # its next chunk
             if piece:
-                last = self.runner.prefill(request.joining, piece, self.prefill_policy.chunk)[:, 0]
+                last = self.runner.prefill(request.joining, piece, len(piece))[:, 0]
                 request.prefilled += len(piece)
                 keep_in_cache(self.scheduler.prefix_cache, request, last)
                 if hasattr(self.drafter, "prefill"):  # its own rows: prefilled in this unit too

@@ -1,13 +1,19 @@
 """PrefillPolicy: where prompts are cut into chunks, and how many prompt tokens one step runs.
 
 Two separate decisions, because only one of them may touch arithmetic:
-  * `chunk` — a row's chunk boundaries (multiples of `chunk` from its start).
-    They decide the row's prefill arithmetic, so they come from the model
-    config, the device kind and the runtime config only, never from the batch
-    or from measured speed: the same request gets the same chunks alone,
-    batched, and in every run. The size is what one step can afford: the
-    model's forward FLOPs per token against a per-device FLOP allowance (about
-    a second of work on a 2-core CPU), within the memory bound below.
+  * `cuts` — a row's chunk boundaries (kv/prefix_cache.Cuts: `chunk` tokens from
+    its start, fewer as the row grows). They decide the row's prefill arithmetic,
+    so they come from the model config, the device kind and the runtime config
+    only, never from the batch or from measured speed: the same request gets the
+    same chunks alone, batched, and in every run. The size is what one step can
+    afford: the model's forward FLOPs per token against a per-device FLOP
+    allowance (about a second of work on a 2-core CPU), within the memory bound
+    below. Deeper in a prompt each token also attends to every one before it, so
+    the chunk at depth s shrinks by taper / (taper + s), where `taper` is the depth
+    at which a token's attention costs as much as its projections (`attention_cost`:
+    per key, its score and value FLOPs and the softmax's exponentials, which run
+    scalar on a CPU). A fixed `prefill_chunk` in the runtime config keeps every
+    chunk that size.
   * `stall_s` — how long one step may prefill while running rows wait: the
     engine runs one unit (a chunk) and more only while the last unit's
     measured time still fits (engine/core.py), so running rows wait about
@@ -41,11 +47,14 @@ import mlx.core as mx
 from mlx_tandem.engine.config import RuntimeConfig
 from mlx_tandem.engine.request import Request
 from mlx_tandem.engine.runner import ModelRunner
-from mlx_tandem.kv.prefix_cache import Block, PrefixCache
+from mlx_tandem.kv.prefix_cache import Block, Cuts, PrefixCache
 from mlx_tandem.kv.state_rows import StateRows, copied
 
 MIN_CHUNK, MAX_CHUNK, ALIGN = 64, 2048, 64
 CHUNK_FLOPS = {"cpu": 40e9, "gpu": 2e12}  # forward FLOPs one chunk may take, per device kind
+# one softmax exponential in FLOPs of the same device's matmuls (CPU: a scalar exp ~25 ns
+# against ~35 GFLOP/s of sgemm, measured on this 2-core VM; GPU: vectorised)
+EXP_FLOPS = {"cpu": 800.0, "gpu": 8.0}
 
 
 def flops_per_token(model_config: dict[str, Any]) -> float:
@@ -60,6 +69,16 @@ def flops_per_token(model_config: dict[str, Any]) -> float:
     return 2.0 * per_layer * layers
 
 
+def attention_cost(model_config: dict[str, Any], device: str) -> float:
+    """FLOPs one token spends per earlier key it attends to, over every layer: the score and
+    value products and the softmax's exponentials."""
+    heads = int(model_config.get("num_attention_heads", 8))
+    hidden = int(model_config.get("hidden_size", 1024))
+    head_dim = int(model_config.get("head_dim") or hidden // heads)
+    layers = int(model_config.get("num_hidden_layers", 1))
+    return layers * heads * (4.0 * head_dim + EXP_FLOPS[device])
+
+
 def device_kind() -> str:
     """"cpu" or "gpu": the CHUNK_FLOPS row for the default device."""
     return "cpu" if mx.default_device() == mx.cpu else "gpu"
@@ -69,6 +88,11 @@ def device_kind() -> str:
 class PrefillPolicy:
     chunk: int
     stall_s: float = 1.0
+    taper: int = 0  # depth at which a chunk is half `chunk` (0: every chunk `chunk`)
+
+    @property
+    def cuts(self) -> Cuts:
+        return Cuts(self.chunk, self.taper)
 
     @classmethod
     def resolve(
@@ -80,7 +104,7 @@ class PrefillPolicy:
     ) -> PrefillPolicy:
         stall = runtime.prefill_stall_ms / 1000
         if runtime.prefill_chunk is not None:
-            return cls(runtime.prefill_chunk, stall)
+            return cls(runtime.prefill_chunk, stall, runtime.prefill_taper or 0)
         heads = int(model_config.get("num_attention_heads", 8))
         hidden = int(model_config.get("hidden_size", 1024))
         inter = int(model_config.get("intermediate_size", 4 * hidden))
@@ -91,7 +115,10 @@ class PrefillPolicy:
         affordable = int(CHUNK_FLOPS[device] / flops_per_token(model_config))
         chunk = min(memory_budget // 8 // per_token, affordable)
         chunk = max(MIN_CHUNK, min(MAX_CHUNK, chunk // ALIGN * ALIGN))
-        return cls(chunk, stall)
+        taper = runtime.prefill_taper
+        if taper is None:
+            taper = max(1, int(flops_per_token(model_config) / attention_cost(model_config, device)))
+        return cls(chunk, stall, taper)
 
 
 def start_from_cache(cache: PrefixCache | None, request: Request) -> mx.array | None:
@@ -114,13 +141,13 @@ def keep_in_cache(cache: PrefixCache | None, request: Request, last: mx.array) -
     rows, end = request.joining, request.prefilled
     if cache is None or rows is None or rows.ends != [end]:
         return
-    if end % cache.block and end != len(request.prompt) - 1:
+    if end not in cache.cuts.ends(end) and end != len(request.prompt) - 1:
         return
 
     def block() -> Block:
         hidden = copied(last)
         mx.eval(hidden)
-        return Block(rows.copy_span((end - 1) // cache.block * cache.block), hidden)
+        return Block(rows.copy_span(cache.cuts.start_of(end)), hidden)
 
     cache.insert(request.prompt[:end], block)
 
@@ -168,15 +195,15 @@ def keep_short(
     for i, (request, first) in enumerate(zip(requests, start.starts, strict=True)):
         one = start.rows.take([i])  # lazy: gathered only if some block is new
         n = len(request.prompt) - 1
-        ends = [*range(first + cache.block, n + 1, cache.block)]
-        if n > first and n % cache.block:
+        ends = [e for e in cache.cuts.ends(n) if e > first]
+        if n > first and n not in ends:
             ends.append(n)
         for end in ends:
 
             def block(end: int = end, first: int = first, i: int = i, one: StateRows = one) -> Block:
                 last = copied(hidden[i, end - 1 - first][None])
                 mx.eval(last)
-                return Block(one.copy_span((end - 1) // cache.block * cache.block, end), last)
+                return Block(one.copy_span(cache.cuts.start_of(end), end), last)
 
             if not cache.insert(request.prompt[:end], block):
                 break

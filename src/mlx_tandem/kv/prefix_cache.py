@@ -20,6 +20,10 @@ prompt is then served whole. Only an exact match is used, never a tail that a lo
 prompt merely starts with: the longer prompt's cold row computes those tokens inside a
 whole block (or at other packed offsets), so only the same prompt has the same bits.
 
+Blocks need not be of one size: `Cuts` says where a row's blocks end (the prefill's chunk
+boundaries, which shrink with depth where attention over a long context would make a
+fixed chunk stall the running rows; engine/prefill.PrefillPolicy).
+
 Oracle: tests/test_prefix_cache.py (warm rows equal cold rows token for token, on
 attention and hybrid tiny models; the bytes held never exceed the budget over a
 200-request run).
@@ -35,6 +39,42 @@ import mlx.core as mx
 from mlx_tandem.kv.state_rows import RowSpan
 
 Key = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Cuts:
+    """Where a row's blocks end. The block starting at position s holds `size` tokens, or
+    with `taper` > 0, size * taper / (taper + s) (whole `align`s, at least one): the
+    chunk a step can afford when each token also attends to the s before it. A pure
+    function of the position: every row with the same prompt gets the same blocks."""
+
+    size: int
+    taper: int = 0
+    align: int = 8
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"prefix cache block must be >= 1 token, got {self.size}")
+
+    def at(self, start: int) -> int:
+        """The size of the block that starts at `start`."""
+        if not self.taper:
+            return self.size
+        n = self.size * self.taper // (self.taper + start)
+        return min(self.size, max(self.align, n // self.align * self.align))
+
+    def ends(self, n: int) -> list[int]:
+        """The ends of the whole blocks among the first n positions, in order."""
+        out, start = [], 0
+        while start + self.at(start) <= n:
+            start += self.at(start)
+            out.append(start)
+        return out
+
+    def start_of(self, end: int) -> int:
+        """Where the block holding position end - 1 starts (a whole block or a tail)."""
+        ends = self.ends(end - 1)
+        return ends[-1] if ends else 0
 
 
 @dataclass(frozen=True)
@@ -69,24 +109,25 @@ class PrefixStats:
 
 
 class PrefixCache:
-    """Blocks of `block` tokens (the prefill chunk), LRU-evicted under `budget` bytes."""
+    """Blocks cut by `cuts` (the prefill's chunks; an int: blocks of that many tokens),
+    LRU-evicted under `budget` bytes."""
 
-    def __init__(self, budget: int, block: int) -> None:
+    def __init__(self, budget: int, cuts: Cuts | int) -> None:
         if budget <= 0:
             raise ValueError(f"prefix cache budget must be positive, got {budget}")
-        if block < 1:
-            raise ValueError(f"prefix cache block must be >= 1 token, got {block}")
         self.budget = budget
-        self.block = block
+        self.cuts = cuts if isinstance(cuts, Cuts) else Cuts(cuts)
         self.bytes = 0
         self.blocks = 0
         self.stats = PrefixStats()
         self._root = _Node((), None)
         self._clock = 0
 
-    def _keys(self, tokens: Sequence[int]) -> list[Key]:
-        b = self.block
-        return [tuple(tokens[i : i + b]) for i in range(0, len(tokens) - b + 1, b)]
+    def _keys(self, tokens: Sequence[int]) -> tuple[list[Key], Key]:
+        """The whole blocks' keys, and the tail after them (maybe empty)."""
+        ends = self.cuts.ends(len(tokens))
+        keys = [tuple(tokens[a:b]) for a, b in zip([0, *ends], ends, strict=False)]
+        return keys, tuple(tokens[ends[-1] if ends else 0 :])
 
     def _touch(self, node: _Node) -> None:
         self._clock += 1
@@ -95,8 +136,7 @@ class PrefixCache:
     def lookup(self, tokens: Sequence[int]) -> list[Block]:
         """The cached blocks of the longest whole-block prefix of `tokens` (maybe none), and
         the tail that ends exactly at `tokens` when every whole block before it is cached."""
-        keys = self._keys(tokens)
-        rest = tuple(tokens[len(keys) * self.block :])
+        keys, rest = self._keys(tokens)
         node, found = self._root, []
         for key in [*keys, rest] if rest else keys:
             child = node.children.get(key)
@@ -117,9 +157,9 @@ class PrefixCache:
         whether it is cached."""
         if not tokens:
             raise ValueError("a prefix cache block needs at least one token")
-        keys = self._keys(tokens)
-        if len(keys) * self.block != len(tokens):
-            keys.append(tuple(tokens[len(keys) * self.block :]))
+        keys, rest = self._keys(tokens)
+        if rest:
+            keys.append(rest)
         node = self._root
         for key in keys[:-1]:
             node = node.children.get(key)  # type: ignore[assignment]

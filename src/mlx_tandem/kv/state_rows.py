@@ -35,6 +35,7 @@ from mlx_tandem.kv.codec import FP, KVCodec
 from mlx_tandem.kv.recurrent import rewind
 from mlx_tandem.kv.routing import attention_route, route_attention
 from mlx_tandem.kv.row_cache import RowKVCache, ring_size
+from mlx_tandem.kv.row_groups import merge_groups
 
 LayerCache = Any  # RowKVCache | ArraysCache | CacheList
 CodecPlan = Callable[[int, "int | None"], KVCodec]  # (layer, window) -> that layer's codec
@@ -107,8 +108,8 @@ def _gather(cache: LayerCache, idx: list[int]) -> LayerCache:
 
 def _concat(parts: list[LayerCache], counts: list[int]) -> LayerCache:
     first = parts[0]
-    if isinstance(first, RowKVCache):
-        return RowKVCache.merge(parts)
+    if isinstance(first, RowKVCache):  # rows of very different capacity: groups (kv/row_groups)
+        return merge_groups(parts)
     if isinstance(first, CacheList):
         return CacheList(
             *[_concat([p.caches[j] for p in parts], counts) for j in range(len(first.caches))]
@@ -129,7 +130,7 @@ def _concat(parts: list[LayerCache], counts: list[int]) -> LayerCache:
 
 def _blank(cache: LayerCache, n: int) -> LayerCache:
     if isinstance(cache, RowKVCache):
-        out = type(cache)(cache.window, cache.codec, cache.ring)
+        out = cache._empty_like()
         out.ends = [0] * n
         return out
     if isinstance(cache, CacheList):
