@@ -89,7 +89,8 @@ def main() -> None:
     core = EngineCore(model, config)
     policy = core.prefill_policy
     print(machine_line(f"prefill under load, {model.name}"))
-    print(f"chunk {policy.chunk} tokens, stall target {policy.stall_s:g} s")
+    print(f"chunk {policy.chunk} tokens (taper {policy.taper}: {policy.cuts.at(1900)} tokens at depth 1900), "
+          f"stall target {policy.stall_s:g} s")
     ttft, longest, calm = join_busy(model, config, args.long, args.draft_model)
     with_drafter = f" (drafter {args.draft_model})" if args.draft_model else ""
     print(f"| {args.long}-token prompt joining 16 decoding rows{with_drafter} | TTFT {ttft:.2f} s | "

@@ -35,6 +35,8 @@ def rows(n, alpha=None, temperature=0.0):
         p = SamplingParams(max_tokens=1000, temperature=temperature, seed=i)
         r = new_request(tiny(), [1, 2, 3], p)
         r.spec_alpha = alpha
+        if alpha is not None:  # a measured row has been asked to draft before
+            r.spec_offer = 1.0
         out.append(r)
     return out
 
@@ -242,3 +244,39 @@ def test_a_step_that_takes_one_more_projection_call_is_priced_by_its_own_measure
     linear = learned(0)
     linear.steps = 1
     assert max(linear.depths(eight)) > 2
+
+
+def test_a_new_row_is_asked_soon_and_its_accepted_drafts_turn_drafting_on():
+    """After a long chat load, probes have backed off to PROBE_MAX steps and new rows start
+    from chat's low acceptance. A new row (a grounded request) is asked at the next step
+    the probe spacing allows, and its own accepted drafts turn drafting on within a few
+    steps. Negative control: the same row marked as already asked waits for the backed-off
+    schedule."""
+
+    def backed_off():
+        policy = AdaptiveDepth(4)
+        chat = rows(1, alpha=0.05)
+        calibrate(policy, chat, plain_s=0.1, per_token_s=0.01)
+        for _ in range(2000):
+            policy.depths(chat)
+        policy.seen_alpha = 0.1
+        assert policy.probe_every == PROBE_MAX
+        return policy
+
+    policy = backed_off()
+    grounded = rows(1, alpha=None)
+    asked = []
+    for step in range(40):
+        k = policy.depths(grounded)[0]
+        if k:
+            asked.append(step)
+            policy.observe(grounded, [k], [k], 0.0, 0.1 + 0.01 * k, k + 1)
+        else:
+            policy.observe(grounded, [0], [0], 0.0, 0.1, 1)
+    spacing = 0.1 / PROBE_SHARE  # c = 0.1 here
+    assert asked and asked[0] <= spacing + 1
+    assert len(asked) >= 20 and grounded[0].spec_alpha > 0.6  # drafting turned on and stays
+    old = backed_off()
+    known = rows(1, alpha=None)
+    known[0].spec_offer = 0.0  # asked before: no early probe
+    assert not any(old.depths(known)[0] for _ in range(40))

@@ -151,6 +151,7 @@ def _param_bytes(model) -> int:
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_quantized_folder_runs_batch_invariant_in_the_rows_engine(quantized, bits):
     import mlx.nn as nn
+    from test_engine import run_alone
 
     from mlx_tandem import SamplingParams
     from mlx_tandem.engine.config import RuntimeConfig
@@ -164,12 +165,7 @@ def test_a_quantized_folder_runs_batch_invariant_in_the_rows_engine(quantized, b
     cfg = RuntimeConfig.resolve(environ={}, prefill_chunk=16)
     prompts = [[5, 6, 7], list(range(3, 40)), [9] * 11, [200, 100, 50, 25]]
     params = [SamplingParams(max_tokens=n) for n in (8, 5, 11, 7)]
-    alone = []
-    for p, sp in zip(prompts, params, strict=True):
-        engine = EngineCore(m, cfg)
-        handle = engine.submit(p, sp)
-        engine.run_until_idle()
-        alone.append(handle.result().tokens)
+    alone = [run_alone(m, p, sp, cfg) for p, sp in zip(prompts, params, strict=True)]
     assert len({t for a in alone for t in a}) > 4
     batched = run_with_gaps(EngineCore(m, cfg), prompts, params, seed=bits)
     assert [r.tokens for r in batched] == alone

@@ -5,6 +5,7 @@ import random
 
 import mlx.core as mx
 import pytest
+from test_engine import run_alone
 
 from mlx_tandem import SamplingParams
 from mlx_tandem.engine.config import RuntimeConfig
@@ -39,13 +40,7 @@ def _run(model, together: bool):
     cfg = RuntimeConfig.resolve(environ={}, prefill_chunk=64, max_rows=8, prefix_cache_bytes=0)
     prompts, params = _prompts(), _params(5)
     if not together:
-        out = []
-        for p, sp in zip(prompts, params, strict=True):
-            core = EngineCore(model, cfg)
-            h = core.submit(p, sp)
-            core.run_until_idle()
-            out.append(h.result().tokens)
-        return out, 1
+        return [run_alone(model, p, sp, cfg) for p, sp in zip(prompts, params, strict=True)], 1
     core = EngineCore(model, cfg)
     handles, most = [], 1
     for p, sp in zip(prompts, params, strict=True):

@@ -30,7 +30,12 @@ row probes depth 1 together, so estimates recover when drafting would pay again 
 PROBE steps apart, the interval doubling (up to PROBE_MAX) after each probe that did not
 turn drafting on, back to PROBE once it does, and never closer than cost(1) /
 PROBE_SHARE steps: at a large batch a probe costs nearly a whole extra step, and chat
-that never drafts should not pay more than PROBE_SHARE (2%) of its time for it.
+that never drafts should not pay more than PROBE_SHARE (2%) of its time for it. A row
+never asked to draft yet (a new request) is asked at the next step the PROBE_SHARE
+spacing allows, however far the backed-off schedule is: a grounded request arriving
+after a long chat load would otherwise finish before the next probe. A shared row's own
+observations are averaged with its starting estimate weighted as PRIOR_WEIGHT of them
+(then smoothed): one accepted probe moves it a third of the way, not all of it.
 
 Rows whose drafts are stochastic (a drafter sampling a sampled row) keep a
 row-local depth — their own acceptance and a fixed cost ratio, never the
@@ -53,6 +58,7 @@ PROBE = 16
 PROBE_MAX = 128
 PROBE_SHARE = 0.02  # the most of a bucket's step time that probes may cost
 RECALIBRATE = 32
+PRIOR_WEIGHT = 2  # observations a shared row's starting estimate counts as
 ROW_LOCAL_COST = 0.1  # cost of one drafted token relative to a plain step, when not measured
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 
@@ -173,6 +179,7 @@ class AdaptiveDepth:
         self.steps = 0
         self.probe_every = PROBE  # steps between probes while drafting is off
         self._next_probe = PROBE
+        self._last_probe = 0
         self._asked: list[int] = []  # the depths of the step being decided (rows in order)
         self._local: set[int] = set()  # ids of its rows with a row-local depth
 
@@ -213,7 +220,7 @@ class AdaptiveDepth:
             offers = [self.seen_offer if r.spec_offer is None else r.spec_offer for r in shared]
             cost = self._cost(costs, len(requests), sum(offers))
             k = self.shared_depth(alphas, offers=offers, cost=cost)
-            k = self._probe(k, cost(1) - 1)
+            k = self._probe(k, cost(1) - 1, any(r.spec_offer is None for r in shared))
         out = []
         for r, own in zip(requests, local, strict=True):
             if own:
@@ -243,17 +250,24 @@ class AdaptiveDepth:
 
         return cost
 
-    def _probe(self, k: int, c: float) -> int:
+    def _probe(self, k: int, c: float, fresh: bool = False) -> int:
         """k, or 1 when drafting is off and a probe is due (backing off while probes fail).
         A probe costs about c plain steps (one more token for every row), so probes are
         at least c / PROBE_SHARE steps apart: exploring never takes more than PROBE_SHARE
-        of the time, however wide the batch."""
+        of the time, however wide the batch. `fresh`: some row was never asked to draft;
+        it is asked as soon as that spacing allows, without backing off further."""
         if k > 0:
             self.probe_every, self._next_probe = PROBE, self.steps + PROBE
             return k
+        spacing = math.ceil(c / PROBE_SHARE)
+        if fresh and self.steps >= self._last_probe + spacing:
+            self._last_probe = self.steps
+            self._next_probe = max(self._next_probe, self.steps + spacing)
+            return 1
         if self.steps < self._next_probe:
             return 0
-        self._next_probe = self.steps + max(self.probe_every, math.ceil(c / PROBE_SHARE))
+        self._last_probe = self.steps
+        self._next_probe = self.steps + max(self.probe_every, spacing)
         self.probe_every = min(PROBE_MAX, 2 * self.probe_every)
         return 1
 
@@ -282,7 +296,9 @@ class AdaptiveDepth:
                 known = r.spec_alpha
                 if known is None:
                     known = rate if id(r) in self._local else self.seen_alpha
-                r.spec_alpha = (1 - s) * known + s * rate
+                w = s if id(r) in self._local else max(s, 1 / (PRIOR_WEIGHT + r.spec_seen + 1))
+                r.spec_alpha = (1 - w) * known + w * rate
+                r.spec_seen += 1
                 self.seen_alpha = (1 - s) * self.seen_alpha + s * rate
         costs = self.costs.setdefault(size_bucket(len(requests)), StepCosts())
         if width == 1:
