@@ -196,7 +196,7 @@ def test_compiled_rows_decode_equals_the_eager_forward(tiny_model, arch):
     eager = ModelRunner(m, compiled=False)
     loose = ModelRunner(m, batch_invariant=False)
     rng = random.Random(3)
-    prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in (5, 40, 200)]
+    prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in (5, 40, 236)]
     states = []
     for r in (runner, eager, loose):
         parts = []
@@ -209,7 +209,7 @@ def test_compiled_rows_decode_equals_the_eager_forward(tiny_model, arch):
         states.append(rows)
     ids = mx.array([[p[-1]] for p in prompts], dtype=mx.int32)
     loose_differs = False
-    for step in range(70):
+    for step in range(30):  # the longest row crosses a page of columns (256)
         h = [r.forward(s, ids) for r, s in zip((runner, eager, loose), states, strict=True)]
         mx.eval(h, *(a for s in states for a in s.arrays()))
         assert mx.array_equal(h[0], h[1]).item(), f"step {step}"

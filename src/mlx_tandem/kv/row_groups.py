@@ -60,10 +60,8 @@ class GroupedKVCache(RowKVCache):
             g.ends = list(ends[a:b])
 
     def set_ends(self, ends: list[int]) -> None:
-        start = 0
-        for g in self.groups:
-            g.set_ends(ends[start : start + len(g.ends)])
-            start += len(g.ends)
+        for g, (a, b) in zip(self.groups, self._ranges(), strict=True):
+            g.set_ends(ends[a:b])
 
     def _ranges(self) -> list[tuple[int, int]]:
         out, start = [], 0
