@@ -133,7 +133,7 @@ class GroupedKVCache(RowKVCache):
     def take_rows(self, idx: list[int]) -> RowKVCache:
         """Rows `idx` in order: groups that keep every row are kept as they are."""
         if any(a >= b for a, b in pairwise(idx)):  # not in order: one group
-            return merge_groups([self.flattened()]).take_rows(idx)
+            return self.flattened().take_rows(idx)
         kept = []
         for g, (a, b) in zip(self.groups, self._ranges(), strict=True):
             mine = [i - a for i in idx if a <= i < b]
