@@ -142,7 +142,11 @@ async def references(
     return out
 
 
-def plan(requests: int, disconnect: float, invalid: float, seed: int) -> list[tuple[str, Any]]:
+def plan(
+    requests: int, disconnect: float, invalid: float, seed: int, questions: int = len(QUESTIONS)
+) -> list[tuple[str, Any]]:
+    """Each request's kind and argument; greedy and disconnecting ones ask the first
+    `questions` of QUESTIONS."""
     rng = random.Random(seed)
     kinds = []
     for _ in range(requests):
@@ -150,9 +154,9 @@ def plan(requests: int, disconnect: float, invalid: float, seed: int) -> list[tu
         if u < invalid:
             kinds.append(("invalid", rng.choice(INVALID)))
         elif u < invalid + disconnect:
-            kinds.append(("disconnect", (rng.randrange(len(QUESTIONS)), 48, rng.randint(1, 4))))
+            kinds.append(("disconnect", (rng.randrange(questions), 48, rng.randint(1, 4))))
         else:
-            kinds.append(("greedy", (rng.randrange(len(QUESTIONS)), rng.choice(LENGTHS))))
+            kinds.append(("greedy", (rng.randrange(questions), rng.choice(LENGTHS))))
     return kinds
 
 
@@ -229,13 +233,15 @@ def run(
     seed: int = 0,
     request_timeout: float = 300.0,
     serve_args: tuple[str, ...] = (),
+    questions: int = len(QUESTIONS),
 ) -> dict[str, Any]:
-    """The soak; returns its numbers and `passed`."""
+    """The soak; returns its numbers and `passed`. `questions`: how many of QUESTIONS the
+    requests ask (fewer: fewer solo references to compute first)."""
     proc, url = start_server(model, list(serve_args))
     try:
         started = time.monotonic()
-        warm = plan(min(clients, requests), disconnect, invalid, seed + 1)
-        work = plan(requests, disconnect, invalid, seed)
+        warm = plan(min(clients, requests), disconnect, invalid, seed + 1, questions)
+        work = plan(requests, disconnect, invalid, seed, questions)
         pairs = {arg for kind, arg in warm + work if kind == "greedy"}
         refs = asyncio.run(references(url, request_timeout, pairs))
         asyncio.run(load(url, warm, clients, refs, request_timeout))  # warm-up: same mix

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import mlx_tandem  # noqa: F401  (preloads the BLAS before mlx is imported anywhere)
+from mlx_tandem._blas import blas_threads, set_blas_threads
 from mlx_tandem.models.loader import LoadedModel, load_folder
 from mlx_tandem.models.tiny import ARCHS, make_tiny_model
 
@@ -55,6 +56,35 @@ def goldens() -> dict:
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    config.addinivalue_line(
+        "markers", "machine_blas: asserts this machine's BLAS regime; runs at its full thread count"
+    )
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # one BLAS thread per worker: two workers on two cores instead of four spinning threads
+        # (the engine probes its row plans per thread count, so exactness holds at either)
+        config.stash[_MACHINE_THREADS] = blas_threads()
+        set_blas_threads(1)
+
+
+_MACHINE_THREADS = pytest.StashKey[int]()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Real-model (slow) tests first: the workers take whole files (--dist loadfile, so a
+    module's fixtures are built once), and a long file last would leave one worker idle."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.fixture(autouse=True)
+def _machine_blas(request: pytest.FixtureRequest):
+    """Tests marked machine_blas run at the machine's own BLAS thread count."""
+    machine = request.config.stash.get(_MACHINE_THREADS, 0)
+    if machine and request.node.get_closest_marker("machine_blas"):
+        set_blas_threads(machine)
+        yield
+        set_blas_threads(1)
+    else:
+        yield
 
 
 @pytest.fixture(scope="session")

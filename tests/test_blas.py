@@ -47,3 +47,19 @@ def test_mlx_imported_first_is_reported_not_preloaded():
     done = _run("import mlx.core; import mlx_tandem; print(mlx_tandem.BLAS.name, "
                 "mlx_tandem.BLAS.reason)")
     assert done.stdout.startswith("reference mlx was imported before mlx_tandem"), done.stderr
+
+
+def test_the_blas_thread_count_is_read_and_set():
+    from mlx_tandem._blas import blas_threads, set_blas_threads
+
+    with pytest.raises(ValueError, match="at least 1"):
+        set_blas_threads(0)
+    before = blas_threads()
+    if before == 0:
+        pytest.skip("no OpenBLAS in this process")
+    try:
+        set_blas_threads(before + 1)
+        assert blas_threads() == before + 1
+    finally:
+        set_blas_threads(before)
+    assert blas_threads() == before

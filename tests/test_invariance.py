@@ -14,6 +14,8 @@ from mlx_tandem.kv.attention import (
 )
 from mlx_tandem.models.invariance import MAX_WIDE, RowPlan, follow_plan, probe_plan, turned_form
 
+pytestmark = pytest.mark.machine_blas  # the regime of this BLAS at its own thread count
+
 
 def _projection(tiny_model, name):
     layers = tiny_model("llama").model.model.layers[0]

@@ -105,7 +105,7 @@ GROUNDED = [
 
 
 def _sampled(i):
-    return SamplingParams(max_tokens=32, temperature=1.0, seed=1000 + i)
+    return SamplingParams(max_tokens=24, temperature=1.0, seed=1000 + i)
 
 
 def _run_sampled(model, prompts, drafter=None, first=0):
@@ -133,9 +133,9 @@ def test_seeded_sampling_under_adaptive_depth_on_smollm2(smollm2, plain_sampled)
     assert _run_sampled(smollm2, prompts, PromptLookupSource()) == plain
     assert [_run_sampled(smollm2, [p], PromptLookupSource(), first=i)[0]
             for i, p in enumerate(prompts)] == plain
-    batched = _run_sampled(smollm2, prompts, DraftModelSource(smollm2, chunk=64))
+    batched = _run_sampled(smollm2, prompts[:3], DraftModelSource(smollm2, chunk=64))
     assert batched == [_run_sampled(smollm2, [p], DraftModelSource(smollm2, chunk=64), first=i)[0]
-                       for i, p in enumerate(prompts)]
+                       for i, p in enumerate(prompts[:3])]
 
 
 def _shipped_assistant(model, mode="greedy"):

@@ -1,4 +1,4 @@
-"""The soak (bench/soak.py) at smaller scale: 12 clients, 30 requests, real SmolLM2 (slow).
+"""The soak (bench/soak.py) at smaller scale: 8 clients, 20 requests over 5 questions, real SmolLM2 (slow).
 
 A live `tandem serve` subprocess; 20% of clients hang up mid-stream, 10% send invalid
 bodies, the rest stream greedy completions of mixed lengths. Nothing is lost or
@@ -22,7 +22,8 @@ pytestmark = pytest.mark.slow
 
 def test_soak_small(real_model):
     real_model("smollm2-135m", "float32")  # fetched and prepared before the server starts
-    result = soak.run("smollm2-135m", clients=8, requests=20, seed=3, request_timeout=240)
+    result = soak.run("smollm2-135m", clients=8, requests=20, seed=3, request_timeout=240,
+                      questions=5)
     print(soak.table(result))
     assert result["lost"] == result["truncated"] == result["mismatched"] == 0, result["details"]
     assert result["greedy"] > 12 and result["disconnected"] > 0 and result["refused_400"] > 0

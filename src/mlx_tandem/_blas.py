@@ -5,7 +5,8 @@ MLX's Linux CPU wheel links a reference BLAS (~3.5 GFLOP/s float32 matmul on a
 lets its cblas symbols win symbol resolution (~190 GFLOP/s measured).  This
 module owns that choice and reports it; `tandem doctor` shows the result.
 
-Environment: TANDEM_BLAS=auto (default) | off | /path/to/libblas.so
+Environment: TANDEM_BLAS=auto (default) | off | /path/to/libblas.so; OpenBLAS reads its own
+OPENBLAS_NUM_THREADS. `blas_threads` / `set_blas_threads` read and set that count.
 Oracle: tests/test_blas.py (OpenBLAS preloaded by default and mapped into the
 process; TANDEM_BLAS=off and mlx-imported-first keep the reference BLAS; a bad
 path is an error). Parity with mlx-lm under it: tests/test_generate_parity.py.
@@ -58,3 +59,27 @@ def preload_blas(setting: str | None = None) -> BlasInfo:
             continue
         return BlasInfo("openblas", name, "preloaded before MLX")
     return BlasInfo("reference", None, "OpenBLAS not found (apt-get install libopenblas0-pthread)")
+
+
+def _openblas_call(name: str) -> ctypes._CFuncPtr | None:
+    """OpenBLAS's `name` from the global symbol namespace (the preload put it there)."""
+    try:
+        return getattr(ctypes.CDLL(None), name)
+    except (AttributeError, OSError):
+        return None
+
+
+def blas_threads() -> int:
+    """OpenBLAS's thread count now (0: no OpenBLAS in this process). A projection's bits for
+    a row in a call of many rows depend on it, so row plans are probed per count."""
+    get = _openblas_call("openblas_get_num_threads")
+    return int(get()) if get is not None else 0
+
+
+def set_blas_threads(count: int) -> None:
+    """Set OpenBLAS's thread count (no-op without OpenBLAS). Test workers run one thread each."""
+    if count < 1:
+        raise ValueError(f"BLAS thread count must be at least 1, got {count}")
+    put = _openblas_call("openblas_set_num_threads")
+    if put is not None:
+        put(int(count))

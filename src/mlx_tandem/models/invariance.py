@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_tandem._blas import blas_threads
 from mlx_tandem.kv.attention import BlockMode
 from mlx_tandem.kv.state_rows import rows_model
 from mlx_tandem.models.graph import backbone_path, is_tied
@@ -344,7 +345,7 @@ def stable_projections(
 
     def plan(m: nn.Module, fn: Fn, packable: bool) -> RowPlan:
         key = (type(m).__name__, tuple(m.weight.shape), getattr(m, "bits", None), "bias" in m,
-               str(_dtype(m)), packable)
+               str(_dtype(m)), packable, blas_threads())
         if key not in plans:
             plans[key] = probe_plan(fn, _in_dims(m), _dtype(m), turned_form(m), packable)
         return plans[key]
