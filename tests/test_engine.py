@@ -1,6 +1,7 @@
 """The batched rows engine: every row's tokens in any cohort equal that request run alone."""
 
 import random
+import time
 
 import mlx.core as mx
 import pytest
@@ -183,6 +184,32 @@ def test_a_short_prompt_is_not_held_behind_a_long_prefill(tiny_model):
     assert long.request.prefilled < 190 - 16
     engine.run_until_idle()
     assert short.result().tokens == run_alone(m, [5, 6, 7, 8], SamplingParams(max_tokens=3), cfg)
+
+
+def test_prefill_leaves_the_running_rows_step_its_share_of_the_stall(tiny_model, monkeypatch):
+    """Prefill units run while they fit in the stall target less the running rows' own step:
+    with no rows running a step prefills many 16-token chunks; once the running rows' step
+    takes the whole target (slowed here), each step prefills one chunk (the first unit
+    always runs). Budgeting the stall without the running rows' step runs several."""
+    m = tiny_model("llama")
+    engine = EngineCore(m, RuntimeConfig.resolve(environ={}, prefill_chunk=16, prefill_stall_ms=300))
+    prompt = [(i * 7) % 200 + 3 for i in range(200)]
+    first = engine.submit(prompt, SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.step()
+    assert first.request.prefilled == 199 and first.request.tokens  # 13 chunks in one step
+    forward = engine._forward_and_verify
+
+    def slow(drafts):
+        time.sleep(0.3)
+        return forward(drafts)
+
+    monkeypatch.setattr(engine, "_forward_and_verify", slow)
+    engine.step()  # the running row's step of 0.3 s is measured here
+    second = engine.submit(prompt[::-1], SamplingParams(max_tokens=1))
+    for _ in range(3):
+        before = second.request.prefilled
+        engine.step()
+        assert second.request.prefilled - before == 16
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])

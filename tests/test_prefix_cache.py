@@ -452,8 +452,8 @@ def test_chunks_shrink_with_depth_as_a_function_of_position():
     smollm2 = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
                "intermediate_size": 1536, "num_hidden_layers": 30}
     policy = PrefillPolicy.resolve(smollm2, RuntimeConfig.resolve(environ={}), 8 << 30, "cpu")
-    assert policy.chunk == 128 and 500 < policy.taper < 1000  # attention ~ projections there
+    assert policy.chunk == 80 and 500 < policy.taper < 1000  # attention ~ projections there
     fixed = RuntimeConfig.resolve(environ={}, prefill_chunk=64)
     assert PrefillPolicy.resolve(smollm2, fixed, 8 << 30, "cpu").taper == 0
     off = RuntimeConfig.resolve(environ={}, prefill_taper=0)
-    assert PrefillPolicy.resolve(smollm2, off, 8 << 30, "cpu").cuts.at(5000) == 128
+    assert PrefillPolicy.resolve(smollm2, off, 8 << 30, "cpu").cuts.at(5000) == 80

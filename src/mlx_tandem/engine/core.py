@@ -61,6 +61,7 @@ from mlx_tandem.models.loader import LoadedModel
 
 GRAMMAR = "grammar"  # EngineStats' name for grammar-forced proposals
 SHORT_UNIT = 16  # short-prompt cache blocks where prefills are not packed (any split is exact)
+NEXT_UNIT_MARGIN = 1.25  # a prefill unit may take this much more than the last one did
 
 
 class EngineCore:
@@ -106,6 +107,7 @@ class EngineCore:
         self.running: list[Request] = []
         self.rows: StateRows = self.runner.empty_rows()
         self._long_turn = False  # whether a long prompt's chunk goes next (alternation)
+        self._decode_s = 0.0  # the running rows' last draft/forward/verify (prefill's budget)
 
     # --- requests in and out ----------------------------------------------------------
     def new_request(
@@ -176,6 +178,7 @@ class EngineCore:
         t1 = time.perf_counter()
         verdicts, hidden = self._forward_and_verify(drafts)
         self._postprocess(drafts, forced, verdicts, hidden, t1 - t0, time.perf_counter() - t1)
+        self._decode_s = time.perf_counter() - t0
         return True
 
     def _draft(self) -> tuple[Drafts, list[bool]]:
@@ -272,14 +275,17 @@ class EngineCore:
         short prompts (one chunk each, not started) in one ragged forward (invariant
         arithmetic), at most a chunk of tokens. Units alternate between the two kinds,
         so a short prompt never waits for a long one's whole prefill; the first unit
-        always runs, the next only if the last one's time still fits in `stall_s`.
+        always runs, the next only if the last one's time (with a margin: units of one
+        size vary by ~25% in time) still fits in `stall_s` less the running rows' own
+        step (its last measured time), which follows in this step.
         Which arithmetic a row gets depends on its prompt alone, never on this schedule.
         """
         chunk = self.prefill_policy.chunk
+        budget = self.prefill_policy.stall_s - (self._decode_s if self.running else 0.0)
         start, last = time.perf_counter(), 0.0
         worked = False
         while self.scheduler.joining:
-            if worked and time.perf_counter() - start + last > self.prefill_policy.stall_s:
+            if worked and time.perf_counter() - start + NEXT_UNIT_MARGIN * last > budget:
                 break
             begin = time.perf_counter()
             joining = self.scheduler.joining

@@ -7,7 +7,8 @@ Two separate decisions, because only one of them may touch arithmetic:
     only, never from the batch or from measured speed: the same request gets the
     same chunks alone, batched, and in every run. The size is what one step can
     afford: the model's forward FLOPs per token against a per-device FLOP
-    allowance (about a second of work on a 2-core CPU), within the memory bound
+    allowance (about 0.6 s of work on a 2-core CPU, leaving the running rows' decode
+    step room in a one-second stall), within the memory bound
     below. Deeper in a prompt each token also attends to every one before it, so
     the chunk at depth s shrinks by taper / (taper + s), where `taper` is the depth
     at which a token's attention costs as much as its projections (`attention_cost`:
@@ -16,8 +17,8 @@ Two separate decisions, because only one of them may touch arithmetic:
     chunk that size.
   * `stall_s` — how long one step may prefill while running rows wait: the
     engine runs one unit (a chunk) and more only while the last unit's
-    measured time still fits (engine/core.py), so running rows wait about
-    `stall_s` per step whatever the machine. Scheduling only: it never moves
+    measured time still fits beside the running rows' own step (engine/core.py),
+    so running rows wait about `stall_s` per step whatever the machine. Scheduling only: it never moves
     a boundary.
 The chunk also bounds the activation memory of one chunk (attention scores grow
 with chunk x context).
@@ -50,8 +51,10 @@ from mlx_tandem.engine.runner import ModelRunner
 from mlx_tandem.kv.prefix_cache import Block, Cuts, PrefixCache
 from mlx_tandem.kv.state_rows import StateRows, copied
 
-MIN_CHUNK, MAX_CHUNK, ALIGN = 64, 2048, 64
-CHUNK_FLOPS = {"cpu": 40e9, "gpu": 2e12}  # forward FLOPs one chunk may take, per device kind
+MIN_CHUNK, MAX_CHUNK, ALIGN = 64, 2048, 16
+# forward FLOPs one chunk may take, per device kind: on a 2-core CPU about 0.6 s, so that a
+# step running a chunk and the running rows' decode stays within the one-second stall
+CHUNK_FLOPS = {"cpu": 18e9, "gpu": 2e12}
 # one softmax exponential in FLOPs of the same device's matmuls (CPU: a scalar exp ~25 ns
 # against ~35 GFLOP/s of sgemm, measured on this 2-core VM; GPU: vectorised)
 EXP_FLOPS = {"cpu": 800.0, "gpu": 8.0}
