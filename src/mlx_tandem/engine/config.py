@@ -5,7 +5,8 @@ validated here, before any engine state exists.
 
     TANDEM_MAX_ROWS           rows decoded together (default 16)
     TANDEM_PREFILL_CHUNK      prompt tokens per prefill chunk (default: auto, PrefillPolicy)
-    TANDEM_PREFILL_STALL_MS   how long one step may prefill while rows wait (default 1000)
+    TANDEM_PREFILL_STALL_MS   how long running rows may wait for one step that prefills
+                              (the rows' own step included; default 1000)
     TANDEM_MEMORY_BUDGET      KV-cache budget, bytes or with K/M/G suffix (default: auto)
     TANDEM_MAX_QUEUE          waiting requests before submit refuses (default 256)
     TANDEM_BATCH_INVARIANT    1/0: pad forwards so a row's arithmetic never depends on
@@ -15,9 +16,9 @@ validated here, before any engine state exists.
     TANDEM_PREFIX_CACHE_BYTES bytes of earlier prompts' chunks kept for reuse (kv/prefix_cache.py):
                               0 off (default here; `tandem serve` sizes it), "auto" from free memory
 
-There is no compiled-decode switch: the decode step keeps per-row cache bookkeeping
-on the host, and compiling its attention kernel alone measured 0.8x-1.3x
-(bench/compiled_attention.py, docs/BENCHMARKS.md), so it is not used.
+There is no compiled-decode switch: with batch invariance on, the rows engine's
+one-token forwards run compiled segments between the attentions (engine/runner.py,
+engine/compiled_step.py), which give the eager forward's bits.
 
 Oracle: tests/test_config.py.
 """
