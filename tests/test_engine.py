@@ -212,6 +212,33 @@ def test_prefill_leaves_the_running_rows_step_its_share_of_the_stall(tiny_model,
         assert second.request.prefilled - before == 16
 
 
+def test_short_prompts_arriving_at_an_idle_engine_are_prefilled_in_one_forward(tiny_model):
+    """Six 10-token prompts at an idle engine (chunk 16) go in one forward; behind a running
+    row each group holds at most a chunk of tokens. Every row's tokens equal the row alone
+    (grouping never changes a row's arithmetic)."""
+    m = tiny_model("llama")
+    cfg = RuntimeConfig.resolve(environ={}, prefill_chunk=16)
+    engine = EngineCore(m, cfg)
+    groups: list[int] = []
+    together = engine._prefill_together
+
+    def counted(requests):
+        groups.append(len(requests))
+        return together(requests)
+
+    engine._prefill_together = counted
+    prompts = [[(i * 13 + j * 7) % 200 + 3 for j in range(10)] for i in range(6)]
+    params = SamplingParams(max_tokens=6)
+    idle = [engine.submit(p, params) for p in prompts]
+    engine.step()
+    assert groups == [6]
+    busy = [engine.submit(p[::-1], params) for p in prompts[:3]]
+    engine.run_until_idle()
+    assert groups[1:] == [1, 1, 1]
+    for handle, p in zip(idle + busy, prompts + [p[::-1] for p in prompts[:3]], strict=True):
+        assert handle.result().tokens == run_alone(m, p, params, cfg)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
 def test_compiled_rows_decode_equals_the_eager_forward(tiny_model, arch):
     """The runner's one-token forward runs compiled segments (engine/compiled_step.py) and

@@ -62,6 +62,7 @@ from mlx_tandem.models.loader import LoadedModel
 GRAMMAR = "grammar"  # EngineStats' name for grammar-forced proposals
 SHORT_UNIT = 16  # short-prompt cache blocks where prefills are not packed (any split is exact)
 NEXT_UNIT_MARGIN = 1.25  # a prefill unit may take this much more than the last one did
+IDLE_GROUP_CHUNKS = 8  # short prompts' group size, in chunks, when no row is running
 
 
 class EngineCore:
@@ -273,7 +274,8 @@ class EngineCore:
 
         A unit is one long prompt's next whole chunk (block arithmetic) or a group of
         short prompts (one chunk each, not started) in one ragged forward (invariant
-        arithmetic), at most a chunk of tokens. Units alternate between the two kinds,
+        arithmetic), at most a chunk of tokens (IDLE_GROUP_CHUNKS chunks while no row
+        is running: nothing waits on it). Units alternate between the two kinds,
         so a short prompt never waits for a long one's whole prefill; the first unit
         always runs, the next only if the last one's time (with a margin: units of one
         size vary by ~25% in time) still fits in `stall_s` less the running rows' own
@@ -282,6 +284,9 @@ class EngineCore:
         """
         chunk = self.prefill_policy.chunk
         budget = self.prefill_policy.stall_s - (self._decode_s if self.running else 0.0)
+        # with no rows waiting, short prompts go in bigger groups: fewer forwards, each
+        # weight streamed once per group (the grouping never changes a row's arithmetic)
+        group_tokens = chunk * (1 if self.running else IDLE_GROUP_CHUNKS)
         start, last = time.perf_counter(), 0.0
         worked = False
         while self.scheduler.joining:
@@ -298,7 +303,7 @@ class EngineCore:
                 group, tokens = [short[0]], len(short[0].prompt) - 1
                 for r in short[1:]:
                     tokens += len(r.prompt) - 1
-                    if tokens > chunk:
+                    if tokens > group_tokens:
                         break
                     group.append(r)
                 self._prefill_together(group)
