@@ -56,9 +56,6 @@ def goldens() -> dict:
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    config.addinivalue_line(
-        "markers", "machine_blas: asserts this machine's BLAS regime; runs at its full thread count"
-    )
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # one BLAS thread per worker: two workers on two cores instead of four spinning threads
         # (the engine probes its row plans per thread count, so exactness holds at either)

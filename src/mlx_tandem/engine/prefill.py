@@ -18,8 +18,8 @@ Two separate decisions, because only one of them may touch arithmetic:
   * `stall_s` — how long one step may prefill while running rows wait: the
     engine runs one unit (a chunk) and more only while the last unit's
     measured time still fits beside the running rows' own step (engine/core.py),
-    so running rows wait about `stall_s` per step whatever the machine. Scheduling only: it never moves
-    a boundary.
+    so running rows wait about `stall_s` per step whatever the machine. Scheduling
+    only: it never moves a boundary.
 The chunk also bounds the activation memory of one chunk (attention scores grow
 with chunk x context).
 

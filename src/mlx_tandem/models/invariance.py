@@ -342,10 +342,11 @@ def stable_projections(
     depends on the BLAS and the shape only, and probing a 262k-row head takes seconds."""
     plans = {} if plans is None else plans
     head = _token_embedding(model) if is_tied(model) else None
+    threads = blas_threads()
 
     def plan(m: nn.Module, fn: Fn, packable: bool) -> RowPlan:
         key = (type(m).__name__, tuple(m.weight.shape), getattr(m, "bits", None), "bias" in m,
-               str(_dtype(m)), packable, blas_threads())
+               str(_dtype(m)), packable, threads)
         if key not in plans:
             plans[key] = probe_plan(fn, _in_dims(m), _dtype(m), turned_form(m), packable)
         return plans[key]
