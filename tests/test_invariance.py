@@ -4,12 +4,15 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
+from mlx_tandem.kv import attention as attention_module
 from mlx_tandem.kv.attention import (
     GROUP_ROW_CHOICES,
     BlockMode,
     Ragged,
     attention_mismatches,
     invariant_attention,
+    narrow_chunks_exact,
+    narrowing_exact,
     stable_group_rows,
 )
 from mlx_tandem.models.invariance import MAX_WIDE, RowPlan, follow_plan, probe_plan, turned_form
@@ -171,3 +174,32 @@ def test_the_grouping_must_be_probed():
     inexact = [r for r in GROUP_ROW_CHOICES if attention_mismatches(r, [70, 300, 1000], 9, 9, 3, 64)]
     assert inexact
     assert stable_group_rows(64, 9, 3, "mlx.core.float32") not in inexact
+
+
+@pytest.mark.parametrize("W", [9, 64, 130, 256, 300, 577])
+def test_a_narrowed_last_key_chunk_gives_the_whole_chunks_bits(W, monkeypatch):
+    """`p v` reads only the scored keys' spans of its last chunk: bit for bit what whole,
+    zero-weighted chunks give (and what the probe allows here)."""
+    assert narrow_chunks_exact(64, "mlx.core.float32")
+    k1, k2, k3 = mx.random.split(mx.random.key(W), 3)
+    q = mx.random.normal((3, 9, 4, 64), key=k1)
+    k = mx.random.normal((3, 3, W, 64), key=k2)
+    v = mx.random.normal((3, 3, W + 256, 64), key=k3)  # a cache may hand wider values
+    qpos = mx.array([0, W // 2, W - 4])[:, None] + mx.arange(4)[None]
+    valid = (mx.arange(W)[None, None] <= qpos[:, :, None])[:, None]
+    narrowed = invariant_attention(q, k, v, 0.125, valid)
+    monkeypatch.setattr(attention_module, "narrow_chunks_exact", lambda *a: False)
+    whole = invariant_attention(q, k, v, 0.125, valid)
+    assert mx.array_equal(narrowed, whole).item()
+
+
+def test_the_narrowing_probe_refuses_a_product_that_splits_k_by_its_length():
+    """Negative control: a matmul summing K in two halves (a reduction whose split depends on
+    the length, as a GPU's may) must keep whole chunks."""
+
+    def halves(a: mx.array, b: mx.array) -> mx.array:
+        h = a.shape[-1] // 2
+        return a[..., :h] @ b[..., :h, :] + a[..., h:] @ b[..., h:, :]
+
+    assert narrowing_exact(mx.matmul, 64, mx.float32)
+    assert not narrowing_exact(halves, 64, mx.float32)

@@ -12,7 +12,11 @@ such dependence:
     scores never depend on how many queries, rows or positions share the call;
   * `p v` is summed over fixed KEY_CHUNK-wide key chunks, each a matmul of one
     shape, added in order (a BLAS splits a long inner dimension at points that
-    depend on its total length; trailing masked chunks add exact zeros);
+    depend on its total length; trailing masked chunks add exact zeros); the last
+    chunk reads only the scored keys' spans where a probe finds that dropping
+    zero-weighted trailing columns keeps the bits (`narrow_chunks_exact`: one K
+    block accumulated in order, as OpenBLAS does), so short rows do not pay for
+    a whole chunk;
   * scores and softmax cover only the keys given (callers read whole KEY_SPAN
     spans, narrower than a chunk: the scalar `exp` of masked columns was most
     of a short row's attention); a masked column's weight is exactly 0 however
@@ -31,12 +35,14 @@ verify block's real slots) to the projections and attention routes that read it.
 
 Oracle: tests/test_invariance.py (a row's output alone == batched == one query
 at a time; the probe's choice is needed: one shared matmul is not exact here;
-a ragged call keeps real slots' bits).
+a ragged call keeps real slots' bits; a narrowed last chunk gives the whole
+chunk's bits, and the probe refuses a product that splits K by its length).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -180,12 +186,6 @@ def invariant_attention(
     if group_rows is None:
         group_rows = stable_group_rows(D, H, Hkv, str(queries.dtype))
     W = keys.shape[2]  # scores and softmax: the keys given (trailing masked ones weigh 0)
-    Wv = -(-max(W, values.shape[2]) // KEY_CHUNK) * KEY_CHUNK  # p v: whole key chunks
-    if values.shape[2] < Wv:
-        extra = Wv - values.shape[2]
-        values = (values.padded(extra) if isinstance(values, Packed) else
-                  mx.concatenate([values, mx.zeros((B, Hkv, extra, Dv), values.dtype)], axis=2))
-    n = Wv // KEY_CHUNK
     R = rep * L
     G = -(-R // group_rows)
     pad = G * group_rows - R
@@ -212,22 +212,70 @@ def invariant_attention(
         probs = probs[..., 1:]
     else:
         probs = mx.softmax(scores, axis=-1, precise=True)
-    if Wv > W:  # columns past the scored ones weigh exactly 0
-        probs = mx.concatenate([probs, mx.zeros((*probs.shape[:3], Wv - W), probs.dtype)], axis=-1)
-    probs = probs.reshape(B, Hkv, G, group_rows, n, KEY_CHUNK)
-    probs = probs.transpose(0, 1, 2, 4, 3, 5)  # (B, Hkv, G, n, group_rows, KEY_CHUNK)
-    if isinstance(values, Packed):
-        parts = values.weighted(probs)
-    else:
-        v = values.reshape(B, Hkv, 1, n, KEY_CHUNK, Dv)
-        parts = probs @ mx.broadcast_to(v, (B, Hkv, G, n, KEY_CHUNK, Dv))
-    out = parts[:, :, :, 0]  # parts: (B, Hkv, G, n, group_rows, Dv)
-    for c in range(1, n):
-        out = out + parts[:, :, :, c]
-    if isinstance(values, Packed) and (term := values.center_term(probs)) is not None:
-        out = out + term
+    probs = probs.reshape(B, Hkv, G, group_rows, W)
+    weigh = _packed_values if isinstance(values, Packed) else _float_values
+    out = weigh(probs, values)  # (B, Hkv, G, group_rows, Dv)
     out = out.reshape(B, Hkv, G * group_rows, Dv)[:, :, :R]
     return out.reshape(B, H, L, Dv)
+
+
+def _chunked_probs(probs: mx.array, width: int) -> mx.array:
+    """probs (B, Hkv, G, rows, W) zero-padded to `width` (whole KEY_CHUNKs) ->
+    (B, Hkv, G, n, rows, KEY_CHUNK)."""
+    B, Hkv, G, rows, W = probs.shape
+    if width > W:  # columns past the scored ones weigh exactly 0
+        probs = mx.concatenate([probs, mx.zeros((B, Hkv, G, rows, width - W), probs.dtype)], -1)
+    probs = probs.reshape(B, Hkv, G, rows, width // KEY_CHUNK, KEY_CHUNK)
+    return probs.transpose(0, 1, 2, 4, 3, 5)
+
+
+def _in_order(parts: mx.array) -> mx.array:
+    """parts (B, Hkv, G, n, rows, Dv) summed over the n key chunks, first to last."""
+    out = parts[:, :, :, 0]
+    for c in range(1, parts.shape[3]):
+        out = out + parts[:, :, :, c]
+    return out
+
+
+def _float_values(probs: mx.array, values: mx.array) -> mx.array:
+    """p v over whole KEY_CHUNKs, the last one only as wide as the scored keys need (whole
+    KEY_SPANs): a chunk's product does not change when zero-weighted columns are dropped
+    from its end (one K block of the BLAS, accumulated in order; probed by
+    tests/test_invariance.py), and chunks wholly past the scored keys would add exact
+    zeros. Short rows read a fraction of a chunk's values."""
+    B, Hkv, G, rows, W = probs.shape
+    Dv = values.shape[3]
+    unit = KEY_SPAN if narrow_chunks_exact(Dv, str(values.dtype)) else KEY_CHUNK
+    need = -(-W // unit) * unit
+    if values.shape[2] < need:
+        values = mx.concatenate([values, mx.zeros((B, Hkv, need - values.shape[2], Dv),
+                                                  values.dtype)], axis=2)
+    whole = need // KEY_CHUNK * KEY_CHUNK
+    out = None
+    if whole:
+        v = values[:, :, :whole].reshape(B, Hkv, 1, whole // KEY_CHUNK, KEY_CHUNK, Dv)
+        out = _in_order(_chunked_probs(probs[..., :whole], whole) @ v)
+    if need > whole:  # the last chunk, narrowed
+        tail = probs[..., whole:]
+        if need > W:
+            tail = mx.concatenate([tail, mx.zeros((B, Hkv, G, rows, need - W), tail.dtype)], -1)
+        part = tail @ values[:, :, None, whole:need]
+        out = part if out is None else out + part
+    assert out is not None
+    return out
+
+
+def _packed_values(probs: mx.array, values: Packed) -> mx.array:
+    """p v over the affine codes, in whole KEY_CHUNKs (zero codes pad the last one)."""
+    W = probs.shape[-1]
+    width = -(-max(W, values.shape[2]) // KEY_CHUNK) * KEY_CHUNK
+    if values.shape[2] < width:
+        values = values.padded(width - values.shape[2])
+    chunked = _chunked_probs(probs, width)
+    out = _in_order(values.weighted(chunked))
+    if (term := values.center_term(chunked)) is not None:
+        out = out + term
+    return out
 
 
 def block_attention(
@@ -290,6 +338,32 @@ def attention_mismatches(
             )
             bad += not mx.array_equal(alone, out[i : i + 1, :, j : j + 1]).item()
     return bad
+
+
+@functools.cache
+def narrow_chunks_exact(Dv: int, dtype: str) -> bool:
+    """Whether `p v` over a key chunk whose trailing columns weigh 0 gives the same bits with
+    those columns dropped (whole KEY_SPANs kept), here: probed once per value shape.
+    True for a BLAS that accumulates one K block in order (OpenBLAS here); a kernel that
+    splits K by its length (a GPU's reduction) keeps whole chunks."""
+    return narrowing_exact(mx.matmul, Dv, getattr(mx, dtype.rsplit(".", 1)[-1]))
+
+
+def narrowing_exact(matmul: Callable[[mx.array, mx.array], mx.array], Dv: int,
+                    dtype: mx.Dtype) -> bool:
+    """The probe behind `narrow_chunks_exact`, for any matmul: every group size, narrowed
+    widths and rows using 1 .. width columns, batched as the rows attention calls it."""
+    k1, k2 = mx.random.split(mx.random.key(Dv))
+    values = mx.random.normal((2, 3, 1, KEY_CHUNK, Dv), key=k2).astype(dtype)
+    for rows in GROUP_ROW_CHOICES:
+        probs = mx.random.uniform(shape=(2, 3, 4, rows, KEY_CHUNK), key=k1).astype(dtype)
+        for width in range(KEY_SPAN, KEY_CHUNK, KEY_SPAN):
+            for used in (1, width - KEY_SPAN + 1, width):
+                p = mx.where(mx.arange(KEY_CHUNK) < used, probs, 0)
+                narrow = matmul(p[..., :width], values[..., :width, :])
+                if not mx.array_equal(matmul(p, values), narrow).item():
+                    return False
+    return True
 
 
 @functools.cache
