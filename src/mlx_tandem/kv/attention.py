@@ -247,6 +247,8 @@ def _float_values(probs: mx.array, values: mx.array) -> mx.array:
     Dv = values.shape[3]
     unit = KEY_SPAN if narrow_chunks_exact(Dv, str(values.dtype)) else KEY_CHUNK
     need = -(-W // unit) * unit
+    if need > W:  # columns past the scored ones weigh exactly 0
+        probs = mx.concatenate([probs, mx.zeros((B, Hkv, G, rows, need - W), probs.dtype)], -1)
     if values.shape[2] < need:
         values = mx.concatenate([values, mx.zeros((B, Hkv, need - values.shape[2], Dv),
                                                   values.dtype)], axis=2)
@@ -256,10 +258,7 @@ def _float_values(probs: mx.array, values: mx.array) -> mx.array:
         v = values[:, :, :whole].reshape(B, Hkv, 1, whole // KEY_CHUNK, KEY_CHUNK, Dv)
         out = _in_order(_chunked_probs(probs[..., :whole], whole) @ v)
     if need > whole:  # the last chunk, narrowed
-        tail = probs[..., whole:]
-        if need > W:
-            tail = mx.concatenate([tail, mx.zeros((B, Hkv, G, rows, need - W), tail.dtype)], -1)
-        part = tail @ values[:, :, None, whole:need]
+        part = probs[..., whole:] @ values[:, :, None, whole:need]
         out = part if out is None else out + part
     assert out is not None
     return out
