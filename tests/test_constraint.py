@@ -321,7 +321,7 @@ def _constrained_expected(model):
 def test_constrained_stochastic_speculation_matches_the_constrained_target(tiny_vocab, monkeypatch):
     q_fixed = np.array([0.2, 0.3, 0.1, 0.1, 0.3])  # 60% of the drafts are refused tokens
     expected = _constrained_expected(tiny_vocab)
-    counts = _constrained_joint(tiny_vocab, q_fixed, 20000, np.random.default_rng(0))
+    counts = _constrained_joint(tiny_vocab, q_fixed, 6000, np.random.default_rng(0))
     assert counts[:, [1, 4]].sum() == counts[:, :, [1, 4]].sum() == counts[[1, 4]].sum() == 0
     assert _chi2_pvalue(counts, expected) > 1e-3
     # negative control: cutting the first refused stochastic draft too draws from p, not
@@ -329,5 +329,5 @@ def test_constrained_stochastic_speculation_matches_the_constrained_target(tiny_
     monkeypatch.setattr(
         constraint_module.RowGrammar, "cut", lambda self, d, stochastic: self.matcher.validate_tokens(d)
     )
-    wrong = _constrained_joint(tiny_vocab, q_fixed, 20000, np.random.default_rng(0))
+    wrong = _constrained_joint(tiny_vocab, q_fixed, 6000, np.random.default_rng(0))
     assert _chi2_pvalue(wrong, expected) < 1e-6

@@ -47,9 +47,10 @@ def _alone_vs_batched(
             ids = mx.argmax(logits, axis=-1)[:, None].astype(mx.int32)
         return out
 
-    alone = [decode(prefilled(p), [p[-1]])[0] for p in prompts]
+    singles = [prefilled(p) for p in prompts]
     rows = runner.empty_rows()
-    rows.prepare_append([prefilled(p) for p in prompts]).commit()
+    rows.prepare_append(singles).commit()  # a new cohort: decoding the singles leaves it be
+    alone = [decode(row, [p[-1]])[0] for row, p in zip(singles, prompts, strict=True)]
     batched = decode(rows, [p[-1] for p in prompts])
     return [
         all(mx.array_equal(a, b).item() for a, b in zip(x, y, strict=True))

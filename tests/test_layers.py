@@ -1,6 +1,7 @@
 """Imports point one way, down the layers, and no two modules import each other (even for types)."""
 
 import ast
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@cache  # parsed once per worker: every parametrized case reads the same tree
 def imports() -> dict[str, set[str]]:
     paths = {module_name(p): p for p in ROOT.rglob("*.py")}
     graph: dict[str, set[str]] = {}

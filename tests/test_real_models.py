@@ -105,7 +105,7 @@ GROUNDED = [
 
 
 def _sampled(i):
-    return SamplingParams(max_tokens=24, temperature=1.0, seed=1000 + i)
+    return SamplingParams(max_tokens=16, temperature=1.0, seed=1000 + i)
 
 
 def _run_sampled(model, prompts, drafter=None, first=0):
@@ -133,9 +133,9 @@ def test_seeded_sampling_under_adaptive_depth_on_smollm2(smollm2, plain_sampled)
     assert _run_sampled(smollm2, prompts, PromptLookupSource()) == plain
     assert [_run_sampled(smollm2, [p], PromptLookupSource(), first=i)[0]
             for i, p in enumerate(prompts)] == plain
-    batched = _run_sampled(smollm2, prompts[:3], DraftModelSource(smollm2, chunk=64))
+    batched = _run_sampled(smollm2, prompts[:2], DraftModelSource(smollm2, chunk=64))
     assert batched == [_run_sampled(smollm2, [p], DraftModelSource(smollm2, chunk=64), first=i)[0]
-                       for i, p in enumerate(prompts[:3])]
+                       for i, p in enumerate(prompts[:2])]
 
 
 def _shipped_assistant(model, mode="greedy"):
@@ -160,14 +160,14 @@ def test_shipped_assistant_seeded_sampling_alone_equals_batched(smollm2, plain_s
     """Sampled drafting (q = the assistant's distribution) keeps a seeded row's tokens the same
     alone and batched; greedy drafting keeps them equal to plain sampling."""
     prompts, plain = plain_sampled
-    batched = _run_sampled(smollm2, prompts, _shipped_assistant(smollm2, "sample"))
+    batched = _run_sampled(smollm2, prompts[:3], _shipped_assistant(smollm2, "sample"))
     assert batched == [_run_sampled(smollm2, [p], _shipped_assistant(smollm2, "sample"),
-                                    first=i)[0] for i, p in enumerate(prompts)]
+                                    first=i)[0] for i, p in enumerate(prompts[:3])]
     assert _run_sampled(smollm2, prompts, _shipped_assistant(smollm2)) == plain
 
 
 def test_cli_generate_with_the_shipped_assistant(capsys):
     code = main(["generate", "--model", "smollm2-135m", "--prompt", "Explain what a cloud is.",
-                 "--max-tokens", "48", "--draft-model", "assistant", "--json"])
+                 "--max-tokens", "32", "--draft-model", "assistant", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["speculative"]["accepted"] > 0

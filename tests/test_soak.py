@@ -22,11 +22,11 @@ pytestmark = pytest.mark.slow
 
 def test_soak_small(real_model):
     real_model("smollm2-135m", "float32")  # fetched and prepared before the server starts
-    result = soak.run("smollm2-135m", clients=8, requests=20, seed=3, request_timeout=240,
-                      questions=5)
+    result = soak.run("smollm2-135m", clients=8, requests=14, seed=3, request_timeout=240,
+                      questions=3)
     print(soak.table(result))
     assert result["lost"] == result["truncated"] == result["mismatched"] == 0, result["details"]
-    assert result["greedy"] > 12 and result["disconnected"] > 0 and result["refused_400"] > 0
+    assert result["greedy"] > 8 and result["disconnected"] > 0 and result["refused_400"] > 0
     assert result["http_5xx"] == 0 and result["rows_left"] == 0
     assert abs(result["rss_end_mb"] - result["rss_warm_mb"]) <= 0.1 * result["rss_warm_mb"]
     assert result["threads_end"] == result["threads_warm"]

@@ -240,7 +240,7 @@ def test_lookup_finds_the_latest_longest_match():
 
 
 # --- the output distribution -------------------------------------------------------------
-V, N, PROMPT = 5, 20000, [1, 3, 2]
+V, N, PROMPT = 5, 8000, [1, 3, 2]
 
 
 def _softmax(x):
