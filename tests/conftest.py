@@ -42,7 +42,9 @@ def real_model() -> Callable[[str, str], LoadedModel]:
     def get(name: str, dtype: str = "auto") -> LoadedModel:
         key = (name, resolve_dtype(dtype))  # "auto" shares the dtype it resolves to
         if key not in cache:
-            cache[key] = load(name, dtype=dtype, progress=False)
+            loaded = [m for (n, _), m in cache.items() if n == name]
+            tokenizer = loaded[0].tokenizer if loaded else None  # one tokenizer per model
+            cache[key] = load(name, dtype=dtype, progress=False, tokenizer=tokenizer)
         return cache[key]
 
     return get

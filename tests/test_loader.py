@@ -63,6 +63,16 @@ def test_a_folder_loads_and_float32_casts_it(tmp_path):
     assert m.graph.vocab_size == m.model.model.embed_tokens.weight.shape[0]
 
 
+def test_a_second_dtype_can_reuse_the_loaded_tokenizer(tmp_path):
+    folder = make_tiny_model("llama", tmp_path / "tiny")
+    first = loader.load(folder, dtype="native", progress=False)
+    second = loader.load(folder, dtype="float32", progress=False, tokenizer=first.tokenizer)
+    assert second.tokenizer is first.tokenizer and second.dtype == "float32"
+    assert second.model.model.embed_tokens.weight.dtype == mx.float32
+    ids = mx.array([[1, 5, 9]])
+    assert mx.allclose(first.model(ids), second.model(ids), atol=1e-2).item()
+
+
 def test_bad_arguments_are_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown dtype 'f16'"):
         loader.load(tmp_path, dtype="f16")

@@ -50,8 +50,8 @@ def test_plain_path_is_bit_identical_to_mlx_lm(real_model, dtype):
 
 def _params(i):
     if i % 4 == 3:
-        return SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95, seed=i)
-    return SamplingParams(max_tokens=16)
+        return SamplingParams(max_tokens=12, temperature=0.8, top_p=0.95, seed=i)
+    return SamplingParams(max_tokens=12)
 
 
 def _run(model, prompts, drafter=None, k=3, first=0):

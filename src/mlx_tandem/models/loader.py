@@ -32,7 +32,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import dequantize_model
+from mlx_lm.utils import dequantize_model, load_model
 from mlx_lm.utils import load as mlx_lm_load
 
 from mlx_tandem.models import catalogue
@@ -133,10 +133,13 @@ def load(
     dtype: str = "auto",
     progress: bool = True,
     kv_budget: int | None = None,
+    tokenizer: TokenizerWrapper | None = None,
 ) -> LoadedModel:
     """Load a folder, a .gguf file, a catalogue name or a Hugging Face repo id; see the
     module docstring. `kv_budget`: the KV-cache bytes the engine will be given (None: its
-    smallest budget), counted with the weights against the device's memory."""
+    smallest budget), counted with the weights against the device's memory. `tokenizer`:
+    this model's tokenizer, already loaded (e.g. with another dtype), used instead of
+    reading it again (Gemma's 262k-token vocabulary takes ~10 s on a CPU)."""
     dtype = resolve_dtype(dtype)
     arg = str(model)
     path = Path(arg).expanduser()
@@ -154,7 +157,7 @@ def load(
         entry = catalogue.lookup(arg)
         gguf = catalogue.fetch(entry, quiet=not progress)
         folder, name = prepare_gguf(gguf, entry.name, dtype, progress), entry.name
-    return load_folder(folder, name=name, dtype=dtype, kv_budget=kv_budget)
+    return load_folder(folder, name=name, dtype=dtype, kv_budget=kv_budget, tokenizer=tokenizer)
 
 
 def hub_folder(repo: str) -> Path:
@@ -277,9 +280,14 @@ def prepare_gguf(gguf: Path, key: str, dtype: str, progress: bool) -> Path:
 
 
 def load_folder(
-    folder: Path, name: str, dtype: str = "native", kv_budget: int | None = None
+    folder: Path,
+    name: str,
+    dtype: str = "native",
+    kv_budget: int | None = None,
+    tokenizer: TokenizerWrapper | None = None,
 ) -> LoadedModel:
-    """Load an mlx-lm folder: checked (config, dtype, memory) before any weight is read."""
+    """Load an mlx-lm folder: checked (config, dtype, memory) before any weight is read.
+    `tokenizer`: see `load`."""
     if not (folder / "config.json").exists():
         raise FileNotFoundError(f"{folder} is not an mlx-lm model folder (no config.json)")
     if dtype in ("q8", "q4") and not _is_prepared(folder):
@@ -287,7 +295,10 @@ def load_folder(
             f"--dtype {dtype} re-quantizes GGUF imports only; convert folders with mlx_lm.convert"
         )
     check_fits(folder, name, "native" if _is_prepared(folder) else dtype, kv_budget)
-    model, tokenizer, config = mlx_lm_load(str(folder), return_config=True)
+    if tokenizer is None:
+        model, tokenizer, config = mlx_lm_load(str(folder), return_config=True)
+    else:
+        model, config = load_model(folder)
     if dtype == "float32" and not _is_prepared(folder):
         model = _to_float32(model)
     return LoadedModel(
