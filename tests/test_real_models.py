@@ -99,7 +99,6 @@ def test_cli_answers_paris(capsys):
 GROUNDED = [
     "What is the capital of Australia, and why isn't it Sydney?",
     QUESTIONS[2],
-    QUESTIONS[6],
     "Copy this list twice: apples, pears, plums, apples, pears, plums.",
 ]
 
@@ -160,9 +159,9 @@ def test_shipped_assistant_seeded_sampling_alone_equals_batched(smollm2, plain_s
     """Sampled drafting (q = the assistant's distribution) keeps a seeded row's tokens the same
     alone and batched; greedy drafting keeps them equal to plain sampling."""
     prompts, plain = plain_sampled
-    batched = _run_sampled(smollm2, prompts[:3], _shipped_assistant(smollm2, "sample"))
+    batched = _run_sampled(smollm2, prompts, _shipped_assistant(smollm2, "sample"))
     assert batched == [_run_sampled(smollm2, [p], _shipped_assistant(smollm2, "sample"),
-                                    first=i)[0] for i, p in enumerate(prompts[:3])]
+                                    first=i)[0] for i, p in enumerate(prompts)]
     assert _run_sampled(smollm2, prompts, _shipped_assistant(smollm2)) == plain
 
 

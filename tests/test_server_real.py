@@ -59,7 +59,7 @@ def test_streaming_equals_json_and_speculation_off_per_request(server):
 
 
 def test_concurrent_requests_equal_each_alone(server):
-    alone = [chat(server, q, max_tokens=32).choices[0].message.content for q in QUESTIONS]
+    alone = [chat(server, q, max_tokens=24).choices[0].message.content for q in QUESTIONS]
 
     async def together() -> list[str]:
         client = server.async_client()
@@ -67,7 +67,7 @@ def test_concurrent_requests_equal_each_alone(server):
         async def one(q: str) -> str:
             messages = [{"role": "user", "content": q}]
             stream = await client.chat.completions.create(
-                model="x", messages=messages, max_tokens=32, stream=True
+                model="x", messages=messages, max_tokens=24, stream=True
             )
             return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 

@@ -144,7 +144,7 @@ def test_openapi_fuzz_has_no_5xx(small_server):
     seen: dict[int, int] = {}
 
     @settings(
-        max_examples=150,
+        max_examples=100,
         deadline=None,
         derandomize=True,
         database=None,
