@@ -100,7 +100,7 @@ def check_outputs(results, params, schemas) -> None:
 def plain(target):
     """Each request alone with num_draft_tokens 0: constrained plain decoding, no proposals
     at all (not even the grammar's forced tokens)."""
-    prompts, params, schemas = requests(target[1], 12)
+    prompts, params, schemas = requests(target[1], 8)
     alone = [run(target[1], [p], [dataclasses.replace(sp, num_draft_tokens=0)], gaps=False)[0]
              for p, sp in zip(prompts, params, strict=True)]  # fmt: skip
     return prompts, params, schemas, alone
