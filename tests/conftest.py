@@ -42,8 +42,8 @@ def real_model() -> Callable[[str, str], LoadedModel]:
     def get(name: str, dtype: str = "auto") -> LoadedModel:
         key = (name, resolve_dtype(dtype))  # "auto" shares the dtype it resolves to
         if key not in cache:
-            loaded = [m for (n, _), m in cache.items() if n == name]
-            tokenizer = loaded[0].tokenizer if loaded else None  # one tokenizer per model
+            # one tokenizer per model, whatever its dtypes
+            tokenizer = next((m.tokenizer for (n, _), m in cache.items() if n == name), None)
             cache[key] = load(name, dtype=dtype, progress=False, tokenizer=tokenizer)
         return cache[key]
 
