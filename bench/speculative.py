@@ -57,8 +57,7 @@ GROUNDED = [
 
 def tandem(model, prompts, n, drafter=None, k=4, adaptive=False):
     depth = AdaptiveDepth(k) if adaptive else FixedDepth(k)
-    engine = EngineCore(model, RuntimeConfig.resolve(max_rows=16), threaded=False,
-                    drafter=drafter, depth=depth)
+    engine = EngineCore(model, RuntimeConfig.resolve(max_rows=16), drafter=drafter, depth=depth)
     start = time.perf_counter()
     handles = [engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p in prompts]
     engine.run_until_idle()

@@ -53,7 +53,13 @@ from mlx_tandem.engine.scheduler import (
     measure_memory,
     prefix_cache_budget,
 )
-from mlx_tandem.engine.verify import Verdict, verify
+from mlx_tandem.engine.verify import (
+    TIE_MARGIN,
+    CertifiedPicks,
+    Verdict,
+    certifiable,
+    verify,
+)
 from mlx_tandem.kv.prefix_cache import PrefixCache
 from mlx_tandem.kv.state_rows import StateRows
 from mlx_tandem.models.families import check_engine, recurrent_refusal
@@ -221,10 +227,24 @@ class EngineCore:
         hidden = self.runner.forward(self.rows, ids, lengths)
         grammars = [r.grammar for r in self.running]
         allowed = grammar_masks(grammars, drafts.tokens, width, self.model.graph.vocab_size)
-        logits = self.runner.logits(hidden, "all", lengths)
-        verdicts = verify(self.running, logits, drafts.tokens, drafts.q, allowed)
+        logits = self.runner.logits(hidden, "all", lengths)  # lazy: certified rows may skip it
+        certified = self._certified(hidden, lengths) if allowed is None else None
+        verdicts = verify(self.running, logits, drafts.tokens, drafts.q, allowed, certified)
         self.rows.set_ends([e + v.accepted + 1 for e, v in zip(before, verdicts, strict=True)])
         return verdicts, hidden
+
+    def _certified(self, hidden: mx.array, lengths: list[int]) -> CertifiedPicks | None:
+        """Picks from one fast head call where every row needs only its argmax (verify)."""
+        if not certifiable(self.running):
+            return None
+        found = self.runner.greedy_picks(hidden, lengths, TIE_MARGIN)
+        if found is None:
+            return None
+
+        def row_logits(i: int) -> mx.array:
+            return self.runner.logits(hidden[i : i + 1], "all", lengths[i : i + 1])[0]
+
+        return CertifiedPicks(*found, row_logits)
 
     def _postprocess(
         self,

@@ -36,6 +36,7 @@ from mlx_tandem.kv.codec import FP, CodecSpec, KVCodec, check_dims, parse_codec
 from mlx_tandem.kv.recurrent import unrewindable
 from mlx_tandem.kv.row_cache import RowKVCache
 from mlx_tandem.kv.state_rows import StateRows
+from mlx_tandem.models.certified_head import CertifiedHead, certify_head, head_weight
 from mlx_tandem.models.graph import MlxLmGraph, Which, bind_graph
 from mlx_tandem.models.invariance import (
     follow_plan,
@@ -69,7 +70,11 @@ class ModelRunner:
         self._last_ragged: tuple[tuple | None, Ragged | None] = (None, None)
         # the compiled one-token forward: True until built, then it or False (not covered)
         self._decode: CompiledStep | bool = compiled and batch_invariant
+        # greedy picks from one fast head call (models/certified_head.py); invariant rows only
+        self.certified: CertifiedHead | None = None
         if batch_invariant:
+            weight = head_weight(model.model, model.graph)
+            self.certified = certify_head(model.graph.head, weight)
             stable, _ = row_stable(model.model, self.block, model.row_plans)
             self.pack_unit = pack_alignment(stable)
             self.row_quantum = row_quantum(stable)
@@ -220,6 +225,21 @@ class ModelRunner:
             return self.graph.project_logits(hidden, which)
         finally:
             self.block.ragged = None
+
+    def greedy_picks(
+        self, hidden: mx.array, lengths: list[int], tie: float
+    ) -> tuple[mx.array, mx.array] | None:
+        """Certified argmax picks and unsure flags (B, L) for the real slots of a verify's
+        hidden (B, L, D), from one fast head call; None without a certificate."""
+        if self.certified is None:
+            return None
+        B, L, D = hidden.shape
+        ragged = self._ragged(lengths, L)
+        flat = hidden.reshape(B * L, D)
+        picks, unsure = self.certified.picks(flat if ragged is None else flat[ragged.take], tie)
+        if ragged is not None:
+            picks, unsure = picks[ragged.back], unsure[ragged.back]
+        return picks.reshape(B, L), unsure.reshape(B, L)
 
     def _ragged(self, lengths: list[int], width: int) -> Ragged | None:
         """Ragged.of, built once for a verify's forward and its logits (the same rows)."""

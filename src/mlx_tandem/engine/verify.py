@@ -21,7 +21,10 @@ includes d_1..d_j, then truncation filters and temperature).
 Greedy rows without processors never need the log-softmax (a pass of `exp` over
 the vocabulary per slot, the largest cost of a batched step's verify on a CPU):
 their pick is the argmax of the raw logits, which is the argmax of the logprobs
-unless another logit lies within TIE_MARGIN of the top one (`_greedy_picks`).
+unless another logit lies within TIE_MARGIN of the top one (`_greedy_picks`). When
+every row is such a row and reports no logprobs (`certifiable`), the engine may hand
+over picks certified from one fast head call (models/certified_head.py) instead: then
+only their unsure slots' rows get exact logits, each row computed alone.
 Randomness is keyed by (seed, absolute position, purpose), so a row's outcome
 never depends on the batch, and a row with no proposals draws exactly the
 token plain decoding draws. All rows are decided with batched ops (rows that
@@ -35,6 +38,7 @@ deliberately wrong `accept_draft`).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -51,6 +55,17 @@ class Verdict:
     logprobs: list[mx.array]  # per emitted token, its slot's processed logprobs (1, V)
 
 
+@dataclass
+class CertifiedPicks:
+    """Greedy picks (B, S) from a fast head call, `unsure` where they need the exact logits;
+    `row_logits(i)`: row i's exact logits (S, V), computed alone (a row's logits never
+    depend on its call: models/invariance.py)."""
+
+    picks: mx.array
+    unsure: mx.array
+    row_logits: Callable[[int], mx.array]
+
+
 # x - lse rounds monotonically in x, so the raw argmax is never beaten, only tied: two logits
 # whose logprobs round to one value differ by less than one ulp of a logprob in [-log V, 0],
 # at most 2^-20 for any vocabulary under 2^23 tokens. A slot with a rival within this margin
@@ -65,7 +80,7 @@ def accept_draft(u: mx.array, p_d: mx.array, q_d: mx.array) -> mx.array:
 
 def slot_logprobs(requests: list[Request], logits: mx.array, drafts: list[list[int]]) -> mx.array:
     """Processed logprobs (B, S, V): log-softmax, after each row's processors where it has any."""
-    out = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    out = _logprobs(logits)
     special = [i for i, r in enumerate(requests) if _processed(r)]
     if not special:
         return out
@@ -100,17 +115,33 @@ def _greedy_picks(
     return picks, unsure & plain
 
 
-def _settled(picks: list[list[int]], unsure: list[list[bool]], lp: mx.array) -> list[list[int]]:
-    """The unsure slots (rare) decided on their logprobs."""
+def _settled(
+    picks: list[list[int]], unsure: list[list[bool]], row_lp: Callable[[int], mx.array]
+) -> list[list[int]]:
+    """The unsure slots (rare) decided on their logprobs (argmax lp is the exact pick: it
+    differs from the raw logits' argmax only on a tie within TIE_MARGIN, where lp decides)."""
     for i, (row, flags) in enumerate(zip(picks, unsure, strict=True)):
         if any(flags):
-            exact = mx.argmax(lp[i], axis=-1).tolist()
+            exact = mx.argmax(row_lp(i), axis=-1).tolist()
             picks[i] = [e if f else p for p, e, f in zip(row, exact, flags, strict=True)]
     return picks
 
 
 def _processed(r: Request) -> bool:
     return r.sampler.needs_history and r.history is not None
+
+
+def certifiable(requests: list[Request]) -> bool:
+    """Whether every row needs only the argmax of its logits: greedy, no processors, no
+    logprobs reported (grammar masks are the caller's to rule out)."""
+    return all(
+        r.sampler.params.greedy and not _processed(r) and not r.params.logprobs
+        for r in requests
+    )
+
+
+def _logprobs(logits: mx.array) -> mx.array:
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def _draw(keys: mx.array, logits: mx.array) -> mx.array:
@@ -168,10 +199,14 @@ def verify(
     drafts: list[list[int]],
     q: list[mx.array | None],
     allowed: mx.array | None = None,
+    certified: CertifiedPicks | None = None,
 ) -> list[Verdict]:
     """logits (B, K+1, V) from one target forward over [pending, drafts...] per row;
     allowed (B, K+1, V) bool: the grammar masks of constrained rows (engine/constraint.py),
-    applied before anything else, exactly as plain constrained decoding applies them."""
+    applied before anything else, exactly as plain constrained decoding applies them;
+    certified: picks for rows that are all `certifiable` (then `logits` stays unevaluated
+    unless something reads the Verdicts' logprobs)."""
+    assert certified is None or (allowed is None and certifiable(requests))
     if allowed is not None:
         logits = mx.where(allowed, logits, -mx.inf)
     lp = slot_logprobs(requests, logits, drafts)  # lazy: greedy rows may never need it
@@ -185,9 +220,14 @@ def verify(
         decided[tuple(idx)] = _sampled(
             [requests[i] for i in idx], lp[ix], [drafts[i] for i in idx], [q[i] for i in idx]
         )
-    picks, unsure = _greedy_picks(requests, logits, lp)
+    if certified is None:
+        picks, unsure = _greedy_picks(requests, logits, lp)
+        row_lp: Callable[[int], mx.array] = lambda i: lp[i]  # noqa: E731
+    else:
+        picks, unsure = certified.picks, certified.unsure
+        row_lp = lambda i: _logprobs(certified.row_logits(i))  # noqa: E731
     mx.eval(picks, unsure, *(x for arrays in decided.values() for x in arrays))  # one host sync
-    host_argmax = _settled(picks.tolist(), unsure.tolist(), lp)
+    host_argmax = _settled(picks.tolist(), unsure.tolist(), row_lp)
     per_row: dict[int, tuple[list[bool], list[int], list[int]]] = {}
     for idx, (accept, draws, bonus) in decided.items():
         a, dr, bo = accept.tolist(), draws.tolist(), bonus.tolist()
