@@ -14,8 +14,9 @@ from mlx_tandem.engine.config import RuntimeConfig
 from mlx_tandem.engine.core import EngineCore
 from mlx_tandem.engine.depth import FixedDepth
 from mlx_tandem.engine.generate import generate
-from mlx_tandem.engine.verify import TIE_MARGIN
+from mlx_tandem.engine.verify import TIE_MARGIN, CertifiedPicks
 from mlx_tandem.models.certified_head import CertifiedHead, certify_head
+from mlx_tandem.models.invariance import RowPlan
 
 from conftest import run_with_gaps
 
@@ -90,21 +91,24 @@ def _greedy_case(n: int, seed: int) -> tuple[list[list[int]], list[SamplingParam
 
 
 def _counting(engine: EngineCore) -> dict[str, int]:
-    """Counts the runner's certified picks handed over, and its head calls over fewer rows than the
-    cohort holds (an unsure row's own exact logits)."""
+    """Counts the steps given certified picks, and the rows whose own exact logits were
+    computed (rows with an unsure slot)."""
     calls = {"picks": 0, "rows": 0}
-    picks, logits = engine.runner.greedy_picks, engine.runner.logits
+    certified = engine._certified
 
-    def counted_picks(*args, **kw):
-        found = picks(*args, **kw)
-        calls["picks"] += found is not None
-        return found
+    def counted(*args, **kw):
+        found = certified(*args, **kw)
+        if found is None:
+            return None
+        calls["picks"] += 1
 
-    def counted_logits(hidden, *args, **kw):
-        calls["rows"] += hidden.shape[0] < len(engine.running)
-        return logits(hidden, *args, **kw)
+        def rows_logits(rows):
+            calls["rows"] += len(rows)
+            return found.rows_logits(rows)
 
-    engine.runner.greedy_picks, engine.runner.logits = counted_picks, counted_logits
+        return CertifiedPicks(found.picks, found.unsure, rows_logits)
+
+    engine._certified = counted
     return calls
 
 
@@ -117,6 +121,9 @@ def test_greedy_cohorts_with_sure_and_unsure_picks_equal_plain_decoding(tiny_mod
         engine = EngineCore(model, config, drafter=PromptLookupSource(), depth=FixedDepth(3))
         head = engine.runner.certified
         assert head is not None  # a tiny float32 llama has a plain tied head
+        # certified picks whenever the exact head would not be one call as it is; here that
+        # is every call of two slots or more, whatever this machine's plan for the head
+        engine.runner.head_plan = RowPlan(chunk=1)
         if mode == "every slot unsure":
             engine.runner.certified = CertifiedHead(head.weight, head.norms, 1.0)
         elif mode == "exact head":
@@ -138,14 +145,13 @@ def test_rows_that_read_their_logits_keep_the_exact_head(tiny_model):
     params[1] = SamplingParams(max_tokens=params[1].max_tokens, logprobs=3)
     config = RuntimeConfig.resolve(environ={}, prefill_chunk=16, max_rows=4)
     engine = EngineCore(model, config)
-    used = []
-    picks = engine.runner.greedy_picks
-    engine.runner.greedy_picks = lambda *a, **k: used.append(1) or picks(*a, **k)
+    engine.runner.head_plan = RowPlan(chunk=1)  # as above: certified wherever allowed
+    calls = _counting(engine)
     handles = [engine.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
     while len(engine.running) < 3:
         engine.step()
     engine.step()
-    assert not used
+    assert calls["picks"] == 0
     engine.run_until_idle()
     results = [h.result() for h in handles]
     for r, p, sp in zip(results, prompts, params, strict=True):

@@ -203,3 +203,27 @@ def test_the_narrowing_probe_refuses_a_product_that_splits_k_by_its_length():
 
     assert narrowing_exact(mx.matmul, 64, mx.float32)
     assert not narrowing_exact(halves, 64, mx.float32)
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [RowPlan(), RowPlan(pad_to=8), RowPlan(chunk=12), RowPlan(chunk=12, wide=30, turned_from=12),
+     RowPlan(chunk=6, wide=30, turned_from=4)],
+)
+def test_as_is_says_exactly_when_a_plan_calls_the_function_as_it_is(plan):
+    calls: list[tuple[str, int]] = []
+    W = mx.random.normal((8, 4), key=mx.random.key(0))
+
+    def fn(x):
+        calls.append(("fn", x.shape[0]))
+        return x @ W.T
+
+    def turned(x):
+        calls.append(("turned", x.shape[0]))
+        return (W @ x.T).T
+
+    planned = follow_plan(fn, plan, BlockMode(), turned)
+    for rows in range(1, 40):
+        calls.clear()
+        planned(mx.ones((rows, 4)))
+        assert plan.as_is(rows) == (calls == [("fn", rows)]), rows

@@ -241,10 +241,11 @@ class EngineCore:
         if found is None:
             return None
 
-        def row_logits(i: int) -> mx.array:
-            return self.runner.logits(hidden[i : i + 1], "all", lengths[i : i + 1])[0]
+        def rows_logits(rows: list[int]) -> mx.array:
+            some = [lengths[i] for i in rows]
+            return self.runner.logits(hidden[mx.array(rows)], "all", some)
 
-        return CertifiedPicks(*found, row_logits)
+        return CertifiedPicks(*found, rows_logits)
 
     def _postprocess(
         self,

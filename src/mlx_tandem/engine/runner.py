@@ -39,8 +39,9 @@ from mlx_tandem.kv.state_rows import StateRows
 from mlx_tandem.models.certified_head import CertifiedHead, certify_head, head_weight
 from mlx_tandem.models.graph import MlxLmGraph, Which, bind_graph
 from mlx_tandem.models.invariance import (
+    RowPlan,
     follow_plan,
-    head_planned,
+    head_plan,
     pack_alignment,
     probe_plan,
     row_quantum,
@@ -70,8 +71,10 @@ class ModelRunner:
         self._last_ragged: tuple[tuple | None, Ragged | None] = (None, None)
         # the compiled one-token forward: True until built, then it or False (not covered)
         self._decode: CompiledStep | bool = compiled and batch_invariant
-        # greedy picks from one fast head call (models/certified_head.py); invariant rows only
+        # greedy picks from one fast head call (models/certified_head.py), where the head's
+        # plan would not make that call as it is
         self.certified: CertifiedHead | None = None
+        self.head_plan: RowPlan | None = None
         if batch_invariant:
             weight = head_weight(model.model, model.graph)
             self.certified = certify_head(model.graph.head, weight)
@@ -79,9 +82,10 @@ class ModelRunner:
             self.pack_unit = pack_alignment(stable)
             self.row_quantum = row_quantum(stable)
             self.graph: MlxLmGraph = bind_graph(stable)
-            if not head_planned(stable):  # e.g. a tied quantized embedding
-                head_plan = probe_plan(self.graph.head, self.hidden_size)
-                self.graph.head = follow_plan(self.graph.head, head_plan, self.block)
+            self.head_plan = head_plan(stable)
+            if self.head_plan is None:  # not planned with the projections: a tied quantized embedding
+                self.head_plan = probe_plan(self.graph.head, self.hidden_size)
+                self.graph.head = follow_plan(self.graph.head, self.head_plan, self.block)
         else:
             self.graph = model.graph
         if self.kv_spec.kind != "fp":
@@ -230,11 +234,13 @@ class ModelRunner:
         self, hidden: mx.array, lengths: list[int], tie: float
     ) -> tuple[mx.array, mx.array] | None:
         """Certified argmax picks and unsure flags (B, L) for the real slots of a verify's
-        hidden (B, L, D), from one fast head call; None without a certificate."""
-        if self.certified is None:
-            return None
+        hidden (B, L, D), from one fast head call; None without a certificate, or where the
+        head's plan makes that one call anyway (the exact logits cost no more)."""
         B, L, D = hidden.shape
         ragged = self._ragged(lengths, L)
+        slots = B * L if ragged is None else int(ragged.take.shape[0])
+        if self.certified is None or self.head_plan is None or self.head_plan.as_is(slots):
+            return None
         flat = hidden.reshape(B * L, D)
         picks, unsure = self.certified.picks(flat if ragged is None else flat[ragged.take], tie)
         if ragged is not None:

@@ -24,7 +24,7 @@ their pick is the argmax of the raw logits, which is the argmax of the logprobs
 unless another logit lies within TIE_MARGIN of the top one (`_greedy_picks`). When
 every row is such a row and reports no logprobs (`certifiable`), the engine may hand
 over picks certified from one fast head call (models/certified_head.py) instead: then
-only their unsure slots' rows get exact logits, each row computed alone.
+only their unsure slots' rows get exact logits, in one call of their own.
 Randomness is keyed by (seed, absolute position, purpose), so a row's outcome
 never depends on the batch, and a row with no proposals draws exactly the
 token plain decoding draws. All rows are decided with batched ops (rows that
@@ -58,12 +58,12 @@ class Verdict:
 @dataclass
 class CertifiedPicks:
     """Greedy picks (B, S) from a fast head call, `unsure` where they need the exact logits;
-    `row_logits(i)`: row i's exact logits (S, V), computed alone (a row's logits never
-    depend on its call: models/invariance.py)."""
+    `rows_logits(rows)`: those rows' exact logits (n, S, V), computed in a call of their
+    own (a row's logits never depend on its call: models/invariance.py)."""
 
     picks: mx.array
     unsure: mx.array
-    row_logits: Callable[[int], mx.array]
+    rows_logits: Callable[[list[int]], mx.array]
 
 
 # x - lse rounds monotonically in x, so the raw argmax is never beaten, only tied: two logits
@@ -116,14 +116,15 @@ def _greedy_picks(
 
 
 def _settled(
-    picks: list[list[int]], unsure: list[list[bool]], row_lp: Callable[[int], mx.array]
+    picks: list[list[int]], unsure: list[list[bool]], rows_lp: Callable[[list[int]], mx.array]
 ) -> list[list[int]]:
-    """The unsure slots (rare) decided on their logprobs (argmax lp is the exact pick: it
-    differs from the raw logits' argmax only on a tie within TIE_MARGIN, where lp decides)."""
-    for i, (row, flags) in enumerate(zip(picks, unsure, strict=True)):
-        if any(flags):
-            exact = mx.argmax(row_lp(i), axis=-1).tolist()
-            picks[i] = [e if f else p for p, e, f in zip(row, exact, flags, strict=True)]
+    """The unsure slots (rare) decided on their rows' logprobs (argmax lp is the exact pick:
+    it differs from the raw logits' argmax only on a tie within TIE_MARGIN, where lp decides)."""
+    rows = [i for i, flags in enumerate(unsure) if any(flags)]
+    if not rows:
+        return picks
+    for i, exact in zip(rows, mx.argmax(rows_lp(rows), axis=-1).tolist(), strict=True):
+        picks[i] = [e if f else p for p, e, f in zip(picks[i], exact, unsure[i], strict=True)]
     return picks
 
 
@@ -222,12 +223,12 @@ def verify(
         )
     if certified is None:
         picks, unsure = _greedy_picks(requests, logits, lp)
-        row_lp: Callable[[int], mx.array] = lambda i: lp[i]  # noqa: E731
+        rows_lp: Callable[[list[int]], mx.array] = lambda rows: lp[mx.array(rows)]  # noqa: E731
     else:
         picks, unsure = certified.picks, certified.unsure
-        row_lp = lambda i: _logprobs(certified.row_logits(i))  # noqa: E731
+        rows_lp = lambda rows: _logprobs(certified.rows_logits(rows))  # noqa: E731
     mx.eval(picks, unsure, *(x for arrays in decided.values() for x in arrays))  # one host sync
-    host_argmax = _settled(picks.tolist(), unsure.tolist(), row_lp)
+    host_argmax = _settled(picks.tolist(), unsure.tolist(), rows_lp)
     per_row: dict[int, tuple[list[bool], list[int], list[int]]] = {}
     for idx, (accept, draws, bonus) in decided.items():
         a, dr, bo = accept.tolist(), draws.tolist(), bonus.tolist()

@@ -78,6 +78,13 @@ class RowPlan:
     pack: tuple[int, ...] = ()  # prompts prefilled together: calls of these sizes (padded) ...
     period: int = 0  # ... in which a row's result depends only on its position mod `period`
 
+    def as_is(self, rows: int) -> bool:
+        """Whether a decode or verify call of `rows` rows runs the function as it is (one
+        call, no padding, not turned)."""
+        turned = self.turned_from and rows >= self.turned_from
+        split = self.chunk and rows > self.chunk
+        return not turned and not split and rows >= self.pad_to
+
 
 def probe_plan(
     fn: Fn,
@@ -226,6 +233,8 @@ def follow_plan(fn: Fn, plan: RowPlan, block: BlockMode, turned: Fn | None = Non
         rows = flat.shape[0]
         if block.packed and plan.pack:
             return _packed(fn, flat, plan.pack)
+        if plan.as_is(rows):
+            return None
         if plan.turned_from and rows >= plan.turned_from and not block.on:
             return _pieces(turned, flat, plan.wide)
         if plan.chunk and rows > plan.chunk and not block.on:
@@ -319,6 +328,7 @@ class RowStableEmbedding(nn.Embedding):
     tokens up is unchanged. Made by `stable_projections` from a copy (weights shared)."""
 
     _as_linear: Fn
+    plan: RowPlan
 
     def as_linear(self, x: mx.array) -> mx.array:
         return self._as_linear(x)
@@ -329,6 +339,7 @@ def _stable_embedding(module: nn.Embedding, plan: RowPlan, block: BlockMode) -> 
         return module
     out = copy.copy(module)
     out.__class__ = RowStableEmbedding
+    out.plan = plan
     out._as_linear = follow_plan(module.as_linear, plan, block, turned_form(module))
     return out
 
@@ -383,6 +394,15 @@ def head_planned(stable: nn.Module) -> bool:
     if is_tied(stable):
         return isinstance(_token_embedding(stable), RowStableEmbedding)
     return isinstance(stable.get("lm_head"), (*PROJECTIONS, RowStableProjection))
+
+
+def head_plan(stable: nn.Module) -> RowPlan | None:
+    """The plan `stable_projections` gave the LM head's matmul (RowPlan(): calls as they
+    are), or None where it planned none (see head_planned)."""
+    head = _token_embedding(stable) if is_tied(stable) else stable.get("lm_head")
+    if isinstance(head, (RowStableEmbedding, RowStableProjection)):
+        return head.plan
+    return RowPlan() if head_planned(stable) else None
 
 
 def row_stable(
