@@ -10,6 +10,8 @@ import pytest
 
 import mlx_tandem  # noqa: F401  (preloads the BLAS before mlx is imported anywhere)
 from mlx_tandem._blas import blas_threads, set_blas_threads
+from mlx_tandem.engine.core import EngineCore
+from mlx_tandem.engine.verify import CertifiedPicks
 from mlx_tandem.models.loader import LoadedModel, load_folder
 from mlx_tandem.models.tiny import ARCHS, make_tiny_model
 
@@ -119,3 +121,25 @@ def run_with_gaps(engine, prompts, params, seed: int, gaps: bool = True) -> list
             engine.step()
     engine.run_until_idle()
     return [h.result() for h in handles]
+
+
+def count_certified(engine: EngineCore) -> dict[str, int]:
+    """Counts the steps given certified picks, and the rows whose own exact logits were
+    computed (rows with an unsure slot)."""
+    calls = {"picks": 0, "rows": 0}
+    certified = engine._certified
+
+    def counted(*args, **kw):
+        found = certified(*args, **kw)
+        if found is None:
+            return None
+        calls["picks"] += 1
+
+        def rows_logits(rows):
+            calls["rows"] += len(rows)
+            return found.rows_logits(rows)
+
+        return CertifiedPicks(found.picks, found.unsure, rows_logits)
+
+    engine._certified = counted
+    return calls

@@ -14,11 +14,11 @@ from mlx_tandem.engine.config import RuntimeConfig
 from mlx_tandem.engine.core import EngineCore
 from mlx_tandem.engine.depth import FixedDepth
 from mlx_tandem.engine.generate import generate
-from mlx_tandem.engine.verify import TIE_MARGIN, CertifiedPicks
+from mlx_tandem.engine.verify import TIE_MARGIN
 from mlx_tandem.models.certified_head import CertifiedHead, certify_head
 from mlx_tandem.models.invariance import RowPlan
 
-from conftest import run_with_gaps
+from conftest import count_certified, run_with_gaps
 
 
 def _weight(V: int = 64, D: int = 32, seed: int = 0) -> mx.array:
@@ -90,28 +90,6 @@ def _greedy_case(n: int, seed: int) -> tuple[list[list[int]], list[SamplingParam
     return prompts, [SamplingParams(max_tokens=rng.randrange(6, 14)) for _ in range(n)]
 
 
-def _counting(engine: EngineCore) -> dict[str, int]:
-    """Counts the steps given certified picks, and the rows whose own exact logits were
-    computed (rows with an unsure slot)."""
-    calls = {"picks": 0, "rows": 0}
-    certified = engine._certified
-
-    def counted(*args, **kw):
-        found = certified(*args, **kw)
-        if found is None:
-            return None
-        calls["picks"] += 1
-
-        def rows_logits(rows):
-            calls["rows"] += len(rows)
-            return found.rows_logits(rows)
-
-        return CertifiedPicks(found.picks, found.unsure, rows_logits)
-
-    engine._certified = counted
-    return calls
-
-
 def test_greedy_cohorts_with_sure_and_unsure_picks_equal_plain_decoding(tiny_model):
     model = tiny_model("llama")
     prompts, params = _greedy_case(6, seed=5)
@@ -128,7 +106,7 @@ def test_greedy_cohorts_with_sure_and_unsure_picks_equal_plain_decoding(tiny_mod
             engine.runner.certified = CertifiedHead(head.weight, head.norms, 1.0)
         elif mode == "exact head":
             engine.runner.certified = None
-        calls = _counting(engine)
+        calls = count_certified(engine)
         results = run_with_gaps(engine, prompts, params, seed=1)
         assert [r.tokens for r in results] == expected, mode
         assert sum(r.stats.accepted for r in results) > 0
@@ -146,7 +124,7 @@ def test_rows_that_read_their_logits_keep_the_exact_head(tiny_model):
     config = RuntimeConfig.resolve(environ={}, prefill_chunk=16, max_rows=4)
     engine = EngineCore(model, config)
     engine.runner.head_plan = RowPlan(chunk=1)  # as above: certified wherever allowed
-    calls = _counting(engine)
+    calls = count_certified(engine)
     handles = [engine.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
     while len(engine.running) < 3:
         engine.step()

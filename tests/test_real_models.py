@@ -16,6 +16,8 @@ from mlx_tandem.engine.depth import AdaptiveDepth, FixedDepth
 from mlx_tandem.engine.generate import decode_steps
 from mlx_tandem.engine.sampling import RowSampler
 
+from conftest import count_certified
+
 pytestmark = pytest.mark.slow
 
 QUESTIONS = [
@@ -87,6 +89,22 @@ def test_speculation_is_lossless_on_smollm2(smollm2, alone, drafter):
             assert g == e, QUESTIONS[i]
     if drafter == "self":
         assert engine.stats.acceptance(source.name) > 0.9
+
+
+def test_greedy_rows_on_certified_picks_equal_each_alone(smollm2, alone):
+    """An all-greedy cohort with the model drafting for itself (verifies of up to 30 slots):
+    its picks come from one fast head call, certified (models/certified_head.py), where the
+    head's plan would not make that call anyway; every row equals itself alone."""
+    prompts, expected = alone
+    greedy = [i for i in range(len(prompts)) if _params(i).greedy]
+    engine = EngineCore(smollm2, CFG, drafter=DraftModelSource(smollm2, chunk=64),
+                        depth=FixedDepth(4))
+    calls = count_certified(engine)
+    handles = [engine.submit(prompts[i], _params(i)) for i in greedy]
+    engine.run_until_idle()
+    assert [h.result().tokens for h in handles] == [expected[i] for i in greedy]
+    if not engine.runner.head_plan.as_is(len(greedy) * 5):
+        assert calls["picks"] > 0
 
 
 def test_cli_answers_paris(capsys):
