@@ -13,7 +13,9 @@ Both run a row-stable copy of the model (models/invariance.row_stable: every
 projection follows its probed RowPlan; `prefill` chunks use block arithmetic,
 fixed by the row's own chunk boundaries) and
 return hidden states; logits are projected only where callers ask, through a
-head padded the same way.
+head padded the same way. `greedy_picks` hands a verify whose rows need only their
+argmax the picks of one fast head call, certified against the exact head's
+(models/certified_head.py), where the head's plan would not make that call anyway.
 
 The runner also owns the rows' KV codec plan (kv/codec.py): which codec each
 attention layer stores its committed K/V with. The codec name is validated
