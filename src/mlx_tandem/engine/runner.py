@@ -238,10 +238,11 @@ class ModelRunner:
         """Certified argmax picks and unsure flags (B, L) for the real slots of a verify's
         hidden (B, L, D), from one fast head call; None without a certificate, or where the
         head's plan makes that one call anyway (the exact logits cost no more)."""
+        if self.certified is None or self.head_plan is None:
+            return None
         B, L, D = hidden.shape
         ragged = self._ragged(lengths, L)
-        slots = B * L if ragged is None else int(ragged.take.shape[0])
-        if self.certified is None or self.head_plan is None or self.head_plan.as_is(slots):
+        if self.head_plan.as_is(B * L if ragged is None else int(ragged.take.shape[0])):
             return None
         flat = hidden.reshape(B * L, D)
         picks, unsure = self.certified.picks(flat if ragged is None else flat[ragged.take], tie)

@@ -116,15 +116,18 @@ def _greedy_picks(
 
 
 def _settled(
-    picks: list[list[int]], unsure: list[list[bool]], rows_lp: Callable[[list[int]], mx.array]
+    picks: list[list[int]], unsure: list[list[bool]], lp: mx.array,
+    certified: CertifiedPicks | None,
 ) -> list[list[int]]:
     """The unsure slots (rare) decided on their rows' logprobs (argmax lp is the exact pick:
-    it differs from the raw logits' argmax only on a tie within TIE_MARGIN, where lp decides)."""
+    it differs from the raw logits' argmax only on a tie within TIE_MARGIN, where lp decides):
+    the verify's own, or with certified picks, their rows' exact logits computed apart."""
     rows = [i for i, flags in enumerate(unsure) if any(flags)]
     if not rows:
         return picks
-    for i, exact in zip(rows, mx.argmax(rows_lp(rows), axis=-1).tolist(), strict=True):
-        picks[i] = [e if f else p for p, e, f in zip(picks[i], exact, unsure[i], strict=True)]
+    exact = lp[mx.array(rows)] if certified is None else _logprobs(certified.rows_logits(rows))
+    for i, row in zip(rows, mx.argmax(exact, axis=-1).tolist(), strict=True):
+        picks[i] = [e if f else p for p, e, f in zip(picks[i], row, unsure[i], strict=True)]
     return picks
 
 
@@ -223,12 +226,10 @@ def verify(
         )
     if certified is None:
         picks, unsure = _greedy_picks(requests, logits, lp)
-        rows_lp: Callable[[list[int]], mx.array] = lambda rows: lp[mx.array(rows)]  # noqa: E731
     else:
         picks, unsure = certified.picks, certified.unsure
-        rows_lp = lambda rows: _logprobs(certified.rows_logits(rows))  # noqa: E731
     mx.eval(picks, unsure, *(x for arrays in decided.values() for x in arrays))  # one host sync
-    host_argmax = _settled(picks.tolist(), unsure.tolist(), rows_lp)
+    host_argmax = _settled(picks.tolist(), unsure.tolist(), lp, certified)
     per_row: dict[int, tuple[list[bool], list[int], list[int]]] = {}
     for idx, (accept, draws, bonus) in decided.items():
         a, dr, bo = accept.tolist(), draws.tolist(), bonus.tolist()

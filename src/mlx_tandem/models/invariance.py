@@ -388,21 +388,17 @@ def _token_embedding(model: nn.Module) -> nn.Module | None:
     return next((backbone[n] for n in ("embed_tokens", "embeddings") if n in backbone), None)
 
 
-def head_planned(stable: nn.Module) -> bool:
-    """Whether `stable_projections` already planned the LM head's matmul: a tied float
-    embedding's `as_linear`, or an `lm_head` projection (its plan may be to do nothing)."""
-    if is_tied(stable):
-        return isinstance(_token_embedding(stable), RowStableEmbedding)
-    return isinstance(stable.get("lm_head"), (*PROJECTIONS, RowStableProjection))
-
-
 def head_plan(stable: nn.Module) -> RowPlan | None:
-    """The plan `stable_projections` gave the LM head's matmul (RowPlan(): calls as they
-    are), or None where it planned none (see head_planned)."""
-    head = _token_embedding(stable) if is_tied(stable) else stable.get("lm_head")
-    if isinstance(head, (RowStableEmbedding, RowStableProjection)):
+    """The plan `stable_projections` gave the LM head's matmul (a tied float embedding's
+    `as_linear` or an `lm_head` projection; RowPlan(): calls as they are), or None where it
+    planned none (e.g. a tied quantized embedding: the runner plans that head itself)."""
+    if is_tied(stable):
+        head = _token_embedding(stable)
+        return head.plan if isinstance(head, RowStableEmbedding) else None
+    head = stable.get("lm_head")
+    if isinstance(head, RowStableProjection):
         return head.plan
-    return RowPlan() if head_planned(stable) else None
+    return RowPlan() if isinstance(head, PROJECTIONS) else None
 
 
 def row_stable(
