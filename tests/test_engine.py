@@ -213,11 +213,11 @@ def test_prefill_leaves_the_running_rows_step_its_share_of_the_stall(tiny_model,
 
 
 def test_short_prompts_arriving_at_an_idle_engine_are_prefilled_in_one_forward(tiny_model):
-    """Six 10-token prompts at an idle engine (chunk 16) go in one forward; behind a running
-    row each group holds at most a chunk of tokens. Every row's tokens equal the row alone
+    """Sixteen 10-token prompts at an idle engine (chunk 16: ten chunks of tokens) go in one
+    forward; behind a running row each group holds at most a chunk of tokens. Every row's tokens equal the row alone
     (grouping never changes a row's arithmetic)."""
     m = tiny_model("llama")
-    cfg = RuntimeConfig.resolve(environ={}, prefill_chunk=16)
+    cfg = RuntimeConfig.resolve(environ={}, prefill_chunk=16, max_rows=20)
     engine = EngineCore(m, cfg)
     groups: list[int] = []
     together = engine._prefill_together
@@ -227,11 +227,11 @@ def test_short_prompts_arriving_at_an_idle_engine_are_prefilled_in_one_forward(t
         return together(requests)
 
     engine._prefill_together = counted
-    prompts = [[(i * 13 + j * 7) % 200 + 3 for j in range(10)] for i in range(6)]
+    prompts = [[(i * 13 + j * 7) % 200 + 3 for j in range(10)] for i in range(16)]
     params = SamplingParams(max_tokens=6)
     idle = [engine.submit(p, params) for p in prompts]
     engine.step()
-    assert groups == [6]
+    assert groups == [16]
     busy = [engine.submit(p[::-1], params) for p in prompts[:3]]
     engine.run_until_idle()
     assert groups[1:] == [1, 1, 1]

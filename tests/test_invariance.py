@@ -89,12 +89,14 @@ def test_packed_calls_give_a_prompt_the_same_rows_at_every_aligned_offset():
     """Prompts prefilled together run in packed calls (of the probed sizes, zero-padded):
     a prompt laid out at any multiple of the period, among any other rows, gets the rows
     it gets alone (23 rows: one smallest call; placed: largest calls, then the smallest
-    that holds the rest). Laying it out off the period is not exact (the negative control)."""
+    that holds the rest). Laying it out off the period is not exact (the negative control).
+    Sizes past 192 rows are used here (768-row calls agree with 192-row ones)."""
     layer = nn.Linear(576, 1536, bias=False)
     plan = probe_plan(layer, 576, turned=turned_form(layer), packable=True)
     largest = max(plan.pack, default=0)
     assert len(plan.pack) > 1 and 1 < plan.period < min(plan.pack), plan
     assert all(size % plan.period == 0 for size in plan.pack), plan
+    assert largest > 192, plan
     planned = follow_plan(layer, plan, BlockMode(packed=True), turned_form(layer))
     prompt = mx.random.normal((23, 576), key=mx.random.key(3))
     others = mx.random.normal((2 * largest, 576), key=mx.random.key(4))
@@ -104,10 +106,25 @@ def test_packed_calls_give_a_prompt_the_same_rows_at_every_aligned_offset():
         rows = mx.concatenate([others[:offset], prompt, others[offset:]])
         return planned(rows)[offset : offset + 23]
 
-    for offset in range(0, 2 * largest, plan.period):  # spans two calls at some offsets
+    p = plan.period
+    offsets = [*range(0, 16 * p, p), *range(largest - 4 * p, largest + 4 * p, p), 2 * largest - p]
+    for offset in offsets:  # every position mod 192, and spanning two calls
         assert mx.array_equal(placed(offset), alone).item(), offset
     misaligned = [placed(k * plan.period + 1) for k in range(4)]
     assert any(not mx.array_equal(m, alone).item() for m in misaligned)
+
+
+def test_packing_refuses_a_large_call_that_disagrees_with_its_pieces():
+    """Packed sizes past 192 rows are used only where such a call equals the 192-row calls
+    of its pieces: a projection whose large calls round differently keeps 192 as its largest."""
+    layer = nn.Linear(576, 576, bias=False)
+
+    def skewed(x: mx.array) -> mx.array:
+        y = layer(x)
+        return y * (1 + 2**-20) if x.shape[0] > 192 else y
+
+    assert max(probe_plan(layer, 576, packable=True).pack) > 192
+    assert max(probe_plan(skewed, 576, packable=True).pack) == 192
 
 
 def test_without_a_plan_a_rows_result_depends_on_the_call():

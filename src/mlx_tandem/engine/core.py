@@ -27,6 +27,7 @@ next request succeeds.
 
 from __future__ import annotations
 
+import math
 import time
 
 import mlx.core as mx
@@ -68,7 +69,6 @@ from mlx_tandem.models.loader import LoadedModel
 GRAMMAR = "grammar"  # EngineStats' name for grammar-forced proposals
 SHORT_UNIT = 16  # short-prompt cache blocks where prefills are not packed (any split is exact)
 NEXT_UNIT_MARGIN = 1.25  # a prefill unit may take this much more than the last one did
-IDLE_GROUP_CHUNKS = 8  # short prompts' group size, in chunks, when no row is running
 
 
 class EngineCore:
@@ -295,8 +295,8 @@ class EngineCore:
 
         A unit is one long prompt's next whole chunk (block arithmetic) or a group of
         short prompts (one chunk each, not started) in one ragged forward (invariant
-        arithmetic), at most a chunk of tokens (IDLE_GROUP_CHUNKS chunks while no row
-        is running: nothing waits on it). Units alternate between the two kinds,
+        arithmetic), at most a chunk of tokens (every short prompt while no row is
+        running: nothing waits on it, and the scheduler admits at most max_rows). Units alternate between the two kinds,
         so a short prompt never waits for a long one's whole prefill; the first unit
         always runs, the next only if the last one's time (with a margin: units of one
         size vary by ~25% in time) still fits in `stall_s` less the running rows' own
@@ -305,9 +305,9 @@ class EngineCore:
         """
         chunk = self.prefill_policy.chunk
         budget = self.prefill_policy.stall_s - (self._decode_s if self.running else 0.0)
-        # with no rows waiting, short prompts go in bigger groups: fewer forwards, each
-        # weight streamed once per group (the grouping never changes a row's arithmetic)
-        group_tokens = chunk * (1 if self.running else IDLE_GROUP_CHUNKS)
+        # with no rows waiting, all short prompts go in one group: one forward, each weight
+        # streamed once per packed call (the grouping never changes a row's arithmetic)
+        group_tokens = chunk if self.running else math.inf
         start, last = time.perf_counter(), 0.0
         worked = False
         while self.scheduler.joining:

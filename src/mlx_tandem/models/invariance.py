@@ -28,7 +28,7 @@ one of the `pack` sizes, zero-padded, in which a row's result depends only on it
 position mod `period` — the same in every one of those sizes (probed, `_packing`);
 the runner lays every prompt out at multiples of `pack_alignment` (the periods'
 lcm), so a prompt gets the same rows alone or among others: many rows stream
-each weight once per 192 rows (not per 30), a few rows take the smallest call.
+each weight once per 768 rows (not per 30), a few rows take the smallest call.
 
 Oracle: tests/test_invariance.py (the plan's rows equal one-row / large-call
 results; the regime found here is needed; packed calls at every aligned offset,
@@ -59,7 +59,8 @@ REFERENCE_ROWS = 256
 MAX_PAD = 64  # beyond this, padding costs more than splitting
 MAX_CHUNK = 16
 MAX_WIDE = 32
-PACK_SIZES = (48, 96, 144, 192)  # packed calls' row counts (the largest must hold)
+PACK_SIZES = (48, 96, 144, 192, 384, 768)  # packed calls' row counts (past the base: its multiples)
+PACK_BASE = 192  # the packed call size that must hold for any packing
 MAX_PERIOD = 16
 PROJECTIONS = (nn.Linear, nn.QuantizedLinear)
 HEAD = "lm_head"  # an untied LM head's name in mlx-lm's models
@@ -97,7 +98,7 @@ def probe_plan(
     (and, given fn's turned form, up to how many rows every turned call is exact and from
     which row count it is the faster form, timed here: either form gives the same rows;
     `packable`: the call size and period of packed calls, see `_packing`)."""
-    x = mx.random.normal((REFERENCE_ROWS, in_dims), key=mx.random.key(in_dims)).astype(dtype)
+    x = _probe_rows(REFERENCE_ROWS, in_dims, dtype)
     ref = fn(x)
     mx.eval(ref)
     if mx.array_equal(fn(x[::-1])[::-1], ref).item():  # no dependence on a row's position
@@ -109,7 +110,8 @@ def probe_plan(
     reach = MAX_WIDE if turned is not None else MAX_CHUNK
     single = mx.concatenate([fn(x[i : i + 1]) for i in range(reach + 3)])
     chunk = _exact_up_to(fn, x, single, 1, MAX_CHUNK)
-    pack, period = _packing(fn, x) if packable else ((), 0)
+    pack, period = _packing(fn, _probe_rows(PACK_SIZES[-1] + 5 * MAX_PERIOD, in_dims, dtype)) \
+        if packable else ((), 0)
     wide = _exact_up_to(turned, x, single, 0, MAX_WIDE, (3,)) if turned is not None else 0
     if turned is None or wide <= chunk:
         return RowPlan(chunk=chunk, pack=pack, period=period)
@@ -117,28 +119,44 @@ def probe_plan(
     return RowPlan(chunk=chunk, wide=wide, turned_from=faster, pack=pack, period=period)
 
 
+def _probe_rows(rows: int, in_dims: int, dtype: mx.Dtype) -> mx.array:
+    return mx.random.normal((rows, in_dims), key=mx.random.key(in_dims)).astype(dtype)
+
+
 def _packing(fn: Fn, x: mx.array) -> tuple[tuple[int, ...], int]:
     """The call sizes of PACK_SIZES, and the least period <= MAX_PERIOD, such that in calls
     of exactly any of those sizes every row's result depends only on its own input and its
     position mod the period, the same in every size (measured: OpenBLAS's Haswell kernels
-    tile 12 rows, so 48-, 96-, 144- and 192-row calls agree with period 12). Prompts laid
-    out at period-aligned offsets then get the same arithmetic in any packed calls,
-    whatever else fills them; ((), 0) where the largest size has no period."""
-    largest = PACK_SIZES[-1]
-    rows = x[:largest]
+    tile 12 rows, so 48- to 768-row calls agree with period 12). Prompts laid out at
+    period-aligned offsets then get the same arithmetic in any packed calls, whatever else
+    fills them; ((), 0) where the base size has no period. Sizes up to PACK_BASE are
+    probed by rolling; a larger call must equal the base-size calls of its pieces (so its
+    rows inherit the base size's period), at two alignments of the input."""
+    rows = x[:PACK_BASE]
     ref = fn(rows)
     period = next((p for p in range(1, MAX_PERIOD + 1)
-                   if largest % p == 0 and _periodic(fn, rows, ref, p)), 0)
+                   if PACK_BASE % p == 0 and _periodic(fn, rows, ref, p)), 0)
     if not period:
         return (), 0
-    sizes = [largest]
-    for size in PACK_SIZES[:-1]:
-        if size % period == 0 and _periodic(fn, x[:size], fn(x[:size]), period) and all(
-            mx.array_equal(fn(x[k : k + size])[:period], ref[k : k + period]).item()
-            for k in (0, 5 * period)
-        ):
+    sizes = [PACK_BASE]
+    for size in PACK_SIZES:
+        if size == PACK_BASE or size % period:
+            continue
+        if size < PACK_BASE:
+            fits = _periodic(fn, x[:size], fn(x[:size]), period) and all(
+                mx.array_equal(fn(x[k : k + size])[:period], ref[k : k + period]).item()
+                for k in (0, 5 * period))
+        else:
+            fits = all(_as_pieces(fn, x[k : k + size]) for k in (0, 5 * period))
+        if fits:
             sizes.append(size)
     return tuple(sorted(sizes)), period
+
+
+def _as_pieces(fn: Fn, rows: mx.array) -> bool:
+    """Whether one call over rows equals PACK_BASE-row calls over its consecutive pieces."""
+    pieces = [fn(rows[i : i + PACK_BASE]) for i in range(0, rows.shape[0], PACK_BASE)]
+    return mx.array_equal(fn(rows), mx.concatenate(pieces)).item()
 
 
 def _periodic(fn: Fn, rows: mx.array, ref: mx.array, period: int) -> bool:
