@@ -11,6 +11,7 @@ from mlx_tandem.kv.attention import (
     Ragged,
     attention_mismatches,
     invariant_attention,
+    masked_softmax,
     narrow_chunks_exact,
     narrowing_exact,
     stable_group_rows,
@@ -160,6 +161,24 @@ def test_invariant_attention_is_attention():
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=valid)
     got = invariant_attention(q, k, v, 0.125, valid)
     assert mx.allclose(got, want, atol=1e-5).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_the_rows_softmax_is_softmax_with_exact_zeros_where_masked(dtype):
+    """The rows attention's softmax (a polynomial exp, fused) is within a few float32 ulp of
+    mlx's, gives masked columns exactly 0, and keeps a row's bits whatever else shares the
+    call and however many masked columns trail it."""
+    k1, k2 = mx.random.split(mx.random.key(5))
+    scores = (mx.random.normal((4, 3, 6, 320), key=k1) * 8).astype(dtype)
+    ok = (mx.random.uniform(shape=(4, 1, 6, 320), key=k2) > 0.2) & (mx.arange(320) < 250)
+    got = masked_softmax(scores, ok)
+    want = mx.softmax(mx.where(ok, scores, -mx.inf), axis=-1, precise=True)
+    assert got.dtype == dtype
+    tol = 3e-7 if dtype == mx.float32 else 8e-3
+    assert mx.allclose(got, want, atol=tol, rtol=tol).item()
+    assert mx.all(mx.where(ok, True, got == 0)).item()
+    assert mx.array_equal(masked_softmax(scores[1:2], ok[1:2]), got[1:2]).item()
+    assert mx.array_equal(masked_softmax(scores[..., :256], ok[..., :256]), got[..., :256]).item()
 
 
 def test_fused_sdpa_row_changes_with_the_batch_key_width():

@@ -42,6 +42,7 @@ chunk's bits, and the probe refuses a product that splits K by its length).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -203,20 +204,45 @@ def invariant_attention(
         scores = (q @ kt).reshape(B, Hkv, G * group_rows, W)
     if softcap:
         scores = mx.tanh(scores / softcap) * softcap
-    scores = mx.where(ok, scores, mx.array(-mx.inf, scores.dtype))
     if sinks is not None:  # query row r of kv head k is head k * rep + r // L
+        scores = mx.where(ok, scores, mx.array(-mx.inf, scores.dtype))
         col = mx.repeat(sinks.astype(scores.dtype).reshape(Hkv, rep), L, axis=1)
         col = mx.concatenate([col, mx.zeros((Hkv, pad), col.dtype)], axis=1)
         col = mx.broadcast_to(col[None, :, :, None], (B, Hkv, G * group_rows, 1))
         probs = mx.softmax(mx.concatenate([col, scores], axis=-1), axis=-1, precise=True)
         probs = probs[..., 1:]
     else:
-        probs = mx.softmax(scores, axis=-1, precise=True)
+        probs = masked_softmax(scores, ok)
     probs = probs.reshape(B, Hkv, G, group_rows, W)
     weigh = _packed_values if isinstance(values, Packed) else _float_values
     out = weigh(probs, values)  # (B, Hkv, G, group_rows, Dv)
     out = out.reshape(B, Hkv, G * group_rows, Dv)[:, :, :R]
     return out.reshape(B, H, L, Dv)
+
+
+_LOG2E = 1.4426950408889634
+_EXP2 = tuple(math.log(2) ** i / math.factorial(i) for i in range(7))  # 2^f, |f| <= 1/2
+
+
+def _masked_softmax(scores: mx.array, ok: mx.array) -> mx.array:
+    """Softmax over the last axis of `scores` where `ok`, exactly 0 elsewhere, in float32.
+    exp is 2^n * p(f) (n = round(y), f = y - n, y = (x - max) log2 e; p the degree-6
+    Taylor polynomial of 2^f, within 2 ulp of exp): element-wise multiply-adds that
+    `mx.compile` fuses into one vectorised loop, where this CPU's `exp` is scalar (a step's
+    softmax took 2-3x longer). Each entry depends on its own row only, and masked trailing
+    columns add exact zeros to the row's sum (tests/test_invariance.py)."""
+    x = mx.where(ok, scores.astype(mx.float32), -mx.inf)
+    y = mx.maximum((x - mx.max(x, axis=-1, keepdims=True)) * _LOG2E, -126.0)
+    n = mx.round(y)
+    f = y - n
+    p = mx.array(_EXP2[-1], mx.float32)
+    for c in reversed(_EXP2[:-1]):
+        p = p * f + c
+    e = mx.where(ok, p * ((n.astype(mx.int32) + 127) << 23).view(mx.float32), 0.0)
+    return (e / mx.sum(e, axis=-1, keepdims=True)).astype(scores.dtype)
+
+
+masked_softmax = mx.compile(_masked_softmax)
 
 
 def _chunked_probs(probs: mx.array, width: int) -> mx.array:
