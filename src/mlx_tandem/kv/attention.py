@@ -21,7 +21,8 @@ such dependence:
     spans, narrower than a chunk: the scalar `exp` of masked columns was most
     of a short row's attention); a masked column's weight is exactly 0 however
     many follow, and the weights are zero-padded to whole chunks for `p v`
-    (values may come that wide already: a row cache hands them so).
+    (values may come that wide already: a row cache hands them so); the softmax's
+    exp is `masked_softmax`'s fused polynomial (exp itself runs scalar on a CPU).
 Keys or values may come `Packed` (MLX affine codes, kv/codec.py's affine codecs),
 multiplied in the same groups and key chunks without decoding every stored column
 each step: scores as fixed-shape matmuls over the integer codes with the scales and
