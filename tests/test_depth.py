@@ -280,3 +280,27 @@ def test_a_new_row_is_asked_soon_and_its_accepted_drafts_turn_drafting_on():
     known = rows(1, alpha=None)
     known[0].spec_offer = 0.0  # asked before: no early probe
     assert not any(old.depths(known)[0] for _ in range(40))
+
+
+def test_a_new_batch_size_prices_drafts_as_the_nearest_measured_one():
+    """A burst of requests fills and drains the cohort through many batch sizes. Once one
+    size has priced its drafted steps, a new size borrows that price (in its own plain
+    steps) instead of drafting a token on every row to measure it: chat whose drafts are
+    rejected takes plain steps at the new size, copiers draft there. The negative control:
+    with nothing priced anywhere, the first drafted step still measures (one token)."""
+    policy = AdaptiveDepth(4)
+    calibrate(policy, rows(32, alpha=0.05), plain_s=0.27, per_token_s=0.15)
+    chat = rows(24, alpha=0.05)
+    policy.observe(chat, [0] * 24, [0] * 24, 0.0, 0.22, 1)  # bucket 24: its plain step only
+    policy.steps = 1
+    assert policy.depths(chat) == [0] * 24
+    copiers = rows(24, alpha=0.95)
+    assert min(policy.depths(copiers)) > 0
+    assert 24 not in {b for b, c in policy.costs.items() if c.drafted}
+    fresh = AdaptiveDepth(4)
+    fresh.observe(chat, [0] * 24, [0] * 24, 0.0, 0.22, 1)
+    fresh.steps = 1
+    assert fresh.depths(chat) == [1] * 24
+    one = rows(1, alpha=0.05)  # one row is another regime than 32: measured, not borrowed
+    policy.observe(one, [0], [0], 0.0, 0.06, 1)
+    assert policy.depths(one) == [1]

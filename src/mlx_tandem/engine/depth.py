@@ -23,9 +23,11 @@ against k = 0 (plain decoding: every row emits one token at cost 1).
     (ceil(slots / quantum): each call streams the weights again, so a step's cost jumps
     where its slots cross a multiple of the runner's row quantum): a depth is priced by
     the measurements of the calls it needs.
-A bucket's first drafted step drafts one token, so costs start from a measurement, not
-from zero. Every RECALIBRATE steps (and the first time a bucket is seen) all rows take
-a plain step, which measures that bucket's plain step now; when drafting is off every
+The first drafted step drafts one token, so costs start from a measurement, not from
+zero; a bucket whose drafted steps are not measured yet prices them as the nearest
+measured bucket does (in plain steps), until it drafts. Every RECALIBRATE steps (and the
+first time a bucket is seen) all rows take a plain step, which measures that bucket's
+plain step now; when drafting is off every
 row probes depth 1 together, so estimates recover when drafting would pay again — first
 PROBE steps apart, the interval doubling (up to PROBE_MAX) after each probe that did not
 turn drafting on, back to PROBE once it does, and never closer than cost(1) /
@@ -211,14 +213,15 @@ class AdaptiveDepth:
         costs = self.costs.setdefault(size_bucket(len(requests)), StepCosts())
         local = [stochastic and not r.params.greedy for r in requests]
         shared = [r for r, own in zip(requests, local, strict=True) if not own]
+        priced = costs if costs.drafted else self._nearest_priced(size_bucket(len(requests)))
         if costs.plain_s is None or self.steps % RECALIBRATE == 0:
             k = 0  # a plain step: measures what a step of this size costs right now
-        elif not costs.drafted:
-            k = 1  # one drafted token measures what drafting costs at this size (not 0 s)
+        elif priced is None:
+            k = 1  # one drafted token measures what drafting costs at all (not 0 s)
         else:
             alphas = [self.seen_alpha if r.spec_alpha is None else r.spec_alpha for r in shared]
             offers = [self.seen_offer if r.spec_offer is None else r.spec_offer for r in shared]
-            cost = self._cost(costs, len(requests), sum(offers))
+            cost = self._cost(priced, len(requests), sum(offers))
             k = self.shared_depth(alphas, offers=offers, cost=cost)
             k = self._probe(k, cost(1) - 1, any(r.spec_offer is None for r in shared))
         out = []
@@ -233,6 +236,17 @@ class AdaptiveDepth:
         self._asked = out
         self._local = {id(r) for r, own in zip(requests, local, strict=True) if own}
         return out
+
+    def _nearest_priced(self, bucket: int) -> StepCosts | None:
+        """The bucket nearest in size (at most twice or half of it) whose drafted steps are
+        priced, or None. A new bucket borrows its costs, in its plain steps, until one of
+        its own steps drafts: forcing a drafted step in every new size (a burst of requests
+        passes through eight as it fills and drains) made chat pay for drafts it was never
+        going to keep. Farther sizes are another regime (one row streams the weights, 32
+        rows are compute-bound): they are not borrowed from."""
+        near = [b for b, c in self.costs.items()
+                if c.drafted and c.plain_s is not None and bucket / 2 <= b <= 2 * bucket]
+        return self.costs[min(near, key=lambda b: (abs(b - bucket), b))] if near else None
 
     def pieces(self, tokens: float) -> int:
         """Projection calls a verify of `tokens` real slots takes (1 without a quantum)."""
