@@ -5,7 +5,9 @@ a fair comparison): mlx_lm.server, `tandem serve` with its defaults (prompt look
 adaptive depth) and `tandem serve --draft-model none`. For each load — `chat` (open-ended
 questions), `grounded` (rewrite a given passage: the output copies the input) and `mixed`
 (alternating) — and 1, 8 and 32 concurrent streaming clients it sends greedy requests of
-`--tokens` tokens and reports generated tok/s counted from each response's `usage`
+`--tokens` tokens (`--per-client` of them in turn per client; a run of one request is a
+few seconds, too short to resolve a few percent here) and reports generated tok/s counted
+from each response's `usage`
 (`stream_options.include_usage`; SSE chunks hide multi-token steps), time to first token
 p50/p95, inter-token latency p50 and failed requests (errors, or a stream without usage).
 All servers run at once (idle, each takes no CPU) and every load runs `--rounds` times
@@ -104,13 +106,21 @@ async def one(client: httpx.AsyncClient, url: str, prompt: str, tokens: int) -> 
             "tokens": generated or 0, "failed": generated is None}
 
 
-async def load_test(port: int, clients: int, tokens: int, texts: list[str]) -> dict:
+async def load_test(port: int, clients: int, tokens: int, texts: list[str],
+                    per_client: int = 1) -> dict:
+    """`clients` concurrent clients, each sending `per_client` requests one after another
+    (client c's j-th request: prompt c + j * clients)."""
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
+
+    async def client_run(client: httpx.AsyncClient, c: int) -> list[dict]:
+        return [await one(client, url, texts[(c + j * clients) % len(texts)], tokens)
+                for j in range(per_client)]
+
     async with httpx.AsyncClient(timeout=600) as client:
         start = time.perf_counter()
-        runs = await asyncio.gather(*(one(client, url, texts[i % len(texts)], tokens)
-                                      for i in range(clients)))
+        per = await asyncio.gather(*(client_run(client, c) for c in range(clients)))
         elapsed = time.perf_counter() - start
+    runs = [r for rs in per for r in rs]
     ttfts = sorted(r["ttft"] for r in runs if not r["failed"]) or [float("nan")]
     itl = [x for r in runs if not r["failed"] for x in r["itl"]]
     return {"tps": sum(r["tokens"] for r in runs) / elapsed,
@@ -128,6 +138,9 @@ def main() -> None:
     ap.add_argument("--clients", default="1,8,32")
     ap.add_argument("--loads", default="chat,grounded,mixed")
     ap.add_argument("--only", default="", help="run only servers whose name contains this")
+    ap.add_argument("--per-client", type=int, default=1,
+                    help="requests each client sends one after another in a run (more than one "
+                         "steadies the one-client case: one request is a few seconds)")
     ap.add_argument("--rounds", type=int, default=2,
                     help="runs per server and load, servers interleaved in rotating order")
     args = ap.parse_args()
@@ -145,7 +158,8 @@ def main() -> None:
     loads = args.loads.split(",")
     clients_list = [int(c) for c in args.clients.split(",")]
     print(machine_line(f"server load, {args.model} ({folder.name}), {args.tokens} tokens/request, "
-                       f"median of {args.rounds} interleaved rounds"))
+                       f"{args.per_client} request(s) per client, median of {args.rounds} "
+                       f"interleaved rounds"))
     print("| load | server | clients | tok/s (usage) | TTFT p50 s | TTFT p95 s | ITL p50 ms "
           "| failed |")
     print("|---|---|---|---|---|---|---|---|")
@@ -163,7 +177,7 @@ def main() -> None:
             for r in range(args.rounds):  # each round rotates the servers' order
                 for name in names[r % len(names):] + names[: r % len(names)]:
                     runs[name].append(asyncio.run(load_test(ports[name], clients, args.tokens,
-                                                            prompts(kind))))
+                                                            prompts(kind), args.per_client)))
             for name in names:
                 res = {k: statistics.median(x[k] for x in runs[name])
                        for k in ("tps", "ttft50", "ttft95", "itl50")}
