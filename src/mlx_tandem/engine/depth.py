@@ -25,7 +25,8 @@ against k = 0 (plain decoding: every row emits one token at cost 1).
     the measurements of the calls it needs.
 The first drafted step drafts one token, so costs start from a measurement, not from
 zero; a bucket whose drafted steps are not measured yet prices them as the nearest
-measured bucket does (in plain steps), until it drafts. Every RECALIBRATE steps (and the
+measured bucket within a factor of two does (in plain steps) until it drafts, else it
+measures the same way. Every RECALIBRATE steps (and the
 first time a bucket is seen) all rows take a plain step, which measures that bucket's
 plain step now; when drafting is off every
 row probes depth 1 together, so estimates recover when drafting would pay again — first
@@ -210,10 +211,11 @@ class AdaptiveDepth:
 
     def depths(self, requests: list[Request], stochastic: bool = False) -> list[int]:
         self.steps += 1
-        costs = self.costs.setdefault(size_bucket(len(requests)), StepCosts())
+        bucket = size_bucket(len(requests))
+        costs = self.costs.setdefault(bucket, StepCosts())
         local = [stochastic and not r.params.greedy for r in requests]
         shared = [r for r, own in zip(requests, local, strict=True) if not own]
-        priced = costs if costs.drafted else self._nearest_priced(size_bucket(len(requests)))
+        priced = costs if costs.drafted else self._nearest_priced(bucket)
         if costs.plain_s is None or self.steps % RECALIBRATE == 0:
             k = 0  # a plain step: measures what a step of this size costs right now
         elif priced is None:
@@ -244,8 +246,7 @@ class AdaptiveDepth:
         passes through eight as it fills and drains) made chat pay for drafts it was never
         going to keep. Farther sizes are another regime (one row streams the weights, 32
         rows are compute-bound): they are not borrowed from."""
-        near = [b for b, c in self.costs.items()
-                if c.drafted and c.plain_s is not None and bucket / 2 <= b <= 2 * bucket]
+        near = [b for b, c in self.costs.items() if c.drafted and bucket / 2 <= b <= 2 * bucket]
         return self.costs[min(near, key=lambda b: (abs(b - bucket), b))] if near else None
 
     def pieces(self, tokens: float) -> int:
