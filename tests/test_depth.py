@@ -139,10 +139,11 @@ def test_new_rows_start_from_what_recent_rows_did():
     old = rows(8, alpha=None)
     calibrate(policy, old, plain_s=0.1, per_token_s=0.03)
     for _ in range(30):  # the old rows draft and see every draft rejected
+        policy.depths(old)
         policy.observe(old, [2] * 8, [0] * 8, 0.0, 0.16, 3)
     new = rows(8, alpha=None)
     policy.steps = 1
-    assert policy.depths(new) == [0] * 8
+    assert policy.depths(new) == [0] * 8  # the old rows left: they set the new rows' start
     fixed = AdaptiveDepth(4)
     calibrate(fixed, rows(8, alpha=None), plain_s=0.1, per_token_s=0.03)
     fixed.steps = 1
@@ -304,3 +305,27 @@ def test_a_new_batch_size_prices_drafts_as_the_nearest_measured_one():
     one = rows(1, alpha=0.05)  # one row is another regime than 32: measured, not borrowed
     policy.observe(one, [0], [0], 0.0, 0.06, 1)
     assert policy.depths(one) == [1]
+
+
+@pytest.mark.parametrize("by_request", [True, False])
+def test_the_slowest_rows_of_a_burst_do_not_set_the_next_rows_start(by_request):
+    """Six rows whose drafts are accepted finish first; two whose drafts are rejected keep
+    drafting (and observing) for many steps before they leave. A new burst starts from
+    the mean of those eight requests (six good, two bad): it drafts. Counted per drafted
+    step (by_request=False, the old rule: the negative control) the two slow rows' many
+    rejections are all the new rows start from, and they do not draft."""
+    policy = AdaptiveDepth(3, by_request=by_request)
+    burst = rows(8, alpha=None)
+    calibrate(policy, burst, plain_s=0.1, per_token_s=0.01)
+    for _ in range(6):
+        policy.depths(burst)
+        policy.observe(burst, [3] * 8, [3] * 6 + [0] * 2, 0.0, 0.13, 4)
+    slow = burst[6:]
+    for _ in range(30):
+        policy.depths(slow)
+        policy.observe(slow, [3] * 2, [0] * 2, 0.0, 0.13, 4)
+    new = rows(8, alpha=None)
+    calibrate(policy, new, plain_s=0.1, per_token_s=0.01)
+    policy.steps = 1
+    drafts = max(policy.depths(new))
+    assert (drafts > 0) == by_request, (policy.seen_alpha, drafts)

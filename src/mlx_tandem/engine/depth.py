@@ -12,9 +12,13 @@ against k = 0 (plain decoding: every row emits one token at cost 1).
   * a_i: the row's acceptance (a accepted of d drafted, smoothed); o_i: the share of steps
     it was asked to draft in which its drafter proposed anything (prompt lookup finds
     no match on most chat rows). Both on the Request. A row not measured yet counts as
-    the recent rows' smoothed mean, and its own measurements start from that mean:
-    every request is a new row, and an optimistic prior (or one lucky first draft)
-    makes each chat row pay for drafts its kind of prompt never gets accepted.
+    the mean of the recent requests (each folded in once, when it leaves the cohort),
+    and its own measurements start from that mean: every request is a new row, and an
+    optimistic prior (or one lucky first draft) makes each chat row pay for drafts its
+    kind of prompt never gets accepted. Per request, not per drafted step: the last
+    rows of a burst are the ones drafting worst (they finish last), and counted per
+    step they alone set where the next burst starts (on grounded prompts it started
+    from 0.14 and drafted nothing for a quarter of the run).
   * cost(k), in plain steps of this batch-size bucket (vLLM's per-batch-size K): a
     verify runs its projections on real slots only (kv/attention.Ragged), so a step
     drafting k costs `1 + (f + c * x) / plain`, x = k * sum(o_i) / B the drafted tokens
@@ -62,6 +66,7 @@ PROBE_MAX = 128
 PROBE_SHARE = 0.02  # the most of a bucket's step time that probes may cost
 RECALIBRATE = 32
 PRIOR_WEIGHT = 2  # observations a shared row's starting estimate counts as
+LEFT_WEIGHT = 0.125  # a finished request's weight in the new-row estimates (~the last 8)
 ROW_LOCAL_COST = 0.1  # cost of one drafted token relative to a plain step, when not measured
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 
@@ -168,11 +173,14 @@ class AdaptiveDepth:
     name = "adaptive"
 
     def __init__(
-        self, k_max: int, prior: float = 0.6, smoothing: float = 0.2, quantum: int = 0
+        self, k_max: int, prior: float = 0.6, smoothing: float = 0.2, quantum: int = 0,
+        by_request: bool = True,
     ) -> None:
         if k_max < 1:
             raise ValueError(f"adaptive depth needs num_draft_tokens >= 1, got {k_max}")
         self.k_max, self.prior, self.smoothing = k_max, prior, smoothing
+        self.by_request = by_request  # False: the new-row estimates move per drafted step
+        self._rows: dict[int, Request] = {}  # last step's rows (those gone left the cohort)
         self.quantum = quantum  # most rows one projection call takes (0: no limit); the engine
         # sets its runner's (ModelRunner.row_quantum)
         # what a new shared row is assumed to do until it is measured: the recent rows' mean
@@ -214,6 +222,8 @@ class AdaptiveDepth:
         bucket = size_bucket(len(requests))
         costs = self.costs.setdefault(bucket, StepCosts())
         local = [stochastic and not r.params.greedy for r in requests]
+        if self.by_request:
+            self._fold_left([r for r, own in zip(requests, local, strict=True) if not own])
         shared = [r for r, own in zip(requests, local, strict=True) if not own]
         priced = costs if costs.drafted else self._nearest_priced(bucket)
         if costs.plain_s is None or self.steps % RECALIBRATE == 0:
@@ -301,7 +311,8 @@ class AdaptiveDepth:
             if k:  # asked to draft: did its drafter propose anything?
                 got = 1.0 if d else 0.0
                 r.spec_offer = got if r.spec_offer is None else (1 - s) * r.spec_offer + s * got
-                self.seen_offer = (1 - s) * self.seen_offer + s * got
+                if not self.by_request:
+                    self.seen_offer = (1 - s) * self.seen_offer + s * got
             if d:  # a / d: the drafts after a rejection count as failures, which reads
                 # acceptance low where it decays with position (prompt lookup on chat);
                 # a / (a + (a < d)) drafted more on chat and cost it (docs/BENCHMARKS.md,
@@ -314,7 +325,8 @@ class AdaptiveDepth:
                 w = s if id(r) in self._local else max(s, 1 / (PRIOR_WEIGHT + r.spec_seen + 1))
                 r.spec_alpha = (1 - w) * known + w * rate
                 r.spec_seen += 1
-                self.seen_alpha = (1 - s) * self.seen_alpha + s * rate
+                if not self.by_request:
+                    self.seen_alpha = (1 - s) * self.seen_alpha + s * rate
         costs = self.costs.setdefault(size_bucket(len(requests)), StepCosts())
         if width == 1:
             costs.plain_s = (
@@ -325,3 +337,20 @@ class AdaptiveDepth:
             extra = draft_s + max(0.0, verify_s - costs.plain_s)
             fit = costs.drafted.setdefault(self.pieces(len(requests) + sum(drafted)), DraftCost())
             fit.add(sum(drafted) / len(requests), extra, s)
+
+    def _fold_left(self, shared: list[Request]) -> None:
+        """Shared rows that left the cohort since the last decision each move the new-row estimates
+        (`seen_alpha`, `seen_offer`) by LEFT_WEIGHT toward their own final ones: the mean of
+        recent *requests*, each counted once. Counted per drafted step instead, the slowest
+        rows of a burst (the ones drafting least well, so the last to finish) set the
+        estimate every new row then starts from."""
+        now = {id(r): r for r in shared}
+        for key, r in self._rows.items():
+            if key in now:
+                continue
+            w = LEFT_WEIGHT
+            if r.spec_alpha is not None:
+                self.seen_alpha = (1 - w) * self.seen_alpha + w * r.spec_alpha
+            if r.spec_offer is not None:
+                self.seen_offer = (1 - w) * self.seen_offer + w * r.spec_offer
+        self._rows = now
