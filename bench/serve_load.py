@@ -108,12 +108,15 @@ async def one(client: httpx.AsyncClient, url: str, prompt: str, tokens: int) -> 
 
 async def load_test(port: int, clients: int, tokens: int, texts: list[str],
                     per_client: int = 1) -> dict:
-    """`clients` concurrent clients, each sending `per_client` requests one after another
-    (client c's j-th request: prompt c + j * clients)."""
+    """`clients` concurrent clients, each sending `per_client` requests one after another.
+    Client c's j-th request is prompt (c + j) mod n: with per_client = n every client sends
+    every prompt once, so each does the same work and the run does not end with one
+    client's slowest prompt repeated at a batch of one or two (speculation speeds prompts
+    up unequally; a client repeating one prompt made the run's tail that prompt's)."""
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
 
     async def client_run(client: httpx.AsyncClient, c: int) -> list[dict]:
-        return [await one(client, url, texts[(c + j * clients) % len(texts)], tokens)
+        return [await one(client, url, texts[(c + j) % len(texts)], tokens)
                 for j in range(per_client)]
 
     async with httpx.AsyncClient(timeout=600) as client:
