@@ -180,10 +180,10 @@ class AdaptiveDepth:
             raise ValueError(f"adaptive depth needs num_draft_tokens >= 1, got {k_max}")
         self.k_max, self.prior, self.smoothing = k_max, prior, smoothing
         self.by_request = by_request  # False: the new-row estimates move per drafted step
-        self._rows: dict[int, Request] = {}  # last step's rows (those gone left the cohort)
+        self._rows: dict[int, Request] = {}  # the last decision's shared rows (by id)
         self.quantum = quantum  # most rows one projection call takes (0: no limit); the engine
         # sets its runner's (ModelRunner.row_quantum)
-        # what a new shared row is assumed to do until it is measured: the recent rows' mean
+        # what a new shared row is assumed to do until it is measured: the recent requests' mean
         # (each request is a new row; a fixed optimistic prior makes every one pay to learn)
         self.seen_alpha, self.seen_offer = prior, 1.0
         self.costs: dict[int, StepCosts] = {}
@@ -222,9 +222,9 @@ class AdaptiveDepth:
         bucket = size_bucket(len(requests))
         costs = self.costs.setdefault(bucket, StepCosts())
         local = [stochastic and not r.params.greedy for r in requests]
-        if self.by_request:
-            self._fold_left([r for r, own in zip(requests, local, strict=True) if not own])
         shared = [r for r, own in zip(requests, local, strict=True) if not own]
+        if self.by_request:
+            self._fold_left(shared)
         priced = costs if costs.drafted else self._nearest_priced(bucket)
         if costs.plain_s is None or self.steps % RECALIBRATE == 0:
             k = 0  # a plain step: measures what a step of this size costs right now
@@ -345,10 +345,8 @@ class AdaptiveDepth:
         rows of a burst (the ones drafting least well, so the last to finish) set the
         estimate every new row then starts from."""
         now = {id(r): r for r in shared}
-        for key, r in self._rows.items():
-            if key in now:
-                continue
-            w = LEFT_WEIGHT
+        w = LEFT_WEIGHT
+        for r in (r for key, r in self._rows.items() if key not in now):
             if r.spec_alpha is not None:
                 self.seen_alpha = (1 - w) * self.seen_alpha + w * r.spec_alpha
             if r.spec_offer is not None:
