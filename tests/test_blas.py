@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from mlx_tandem._blas import _cpu_flags
+
 PROBE = (
     "import mlx_tandem, mlx.core as mx; mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64)));"
     "maps = open('/proc/self/maps').read();"
@@ -18,7 +20,8 @@ linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="preload
 
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess:
-    environ = {k: v for k, v in os.environ.items() if k != "TANDEM_BLAS"} | env
+    drop = ("TANDEM_BLAS", "OPENBLAS_CORETYPE")  # this process's import set the latter
+    environ = {k: v for k, v in os.environ.items() if k not in drop} | env
     return subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True,
                           text=True, timeout=120, check=False)
 
@@ -63,3 +66,31 @@ def test_the_blas_thread_count_is_read_and_set():
     finally:
         set_blas_threads(before)
     assert blas_threads() == before
+
+
+KERNEL = "import mlx_tandem, os; print(os.environ.get('OPENBLAS_CORETYPE'), '|', mlx_tandem.BLAS.reason)"
+avx512 = pytest.mark.skipif(
+    not sys.platform.startswith("linux")
+    or "avx512f" not in _cpu_flags()
+    or not ctypes.util.find_library("openblas"),
+    reason="needs Linux, OpenBLAS and an AVX-512 CPU",
+)
+
+
+@avx512
+def test_an_avx512_cpu_gets_openblas_haswell_kernels_unless_the_user_chose():
+    done = _run(KERNEL)
+    assert done.stdout.startswith("Haswell | preloaded before MLX; Haswell kernels"), done.stderr
+    done = _run(KERNEL, OPENBLAS_CORETYPE="SkylakeX")
+    assert done.stdout.startswith("SkylakeX |") and "set by the user" in done.stdout, done.stderr
+
+
+@avx512
+def test_openblas_avx512_kernels_make_attention_depend_on_the_batch():
+    """Why the preload picks Haswell kernels: under the AVX-512 sgemm a short row's
+    attention changes when a ~2,000-key row shares its call (negative control for
+    tests/test_invariance.py::test_invariant_attention_alone_equals_batched)."""
+    code = ("import mlx_tandem, mlx.core as mx; from mlx_tandem.kv.attention import "
+            "attention_mismatches as m; print(m(1, [70, 2000], 1, 9, 3, 64, mx.float32))")
+    assert _run(code).stdout.strip() == "0"
+    assert int(_run(code, OPENBLAS_CORETYPE="SkylakeX").stdout.strip()) > 0

@@ -5,8 +5,16 @@ MLX's Linux CPU wheel links a reference BLAS (~3.5 GFLOP/s float32 matmul on a
 lets its cblas symbols win symbol resolution (~190 GFLOP/s measured).  This
 module owns that choice and reports it; `tandem doctor` shows the result.
 
+On an x86 CPU with AVX-512 the preload asks OpenBLAS for its Haswell (AVX2) kernels
+(`OPENBLAS_CORETYPE=Haswell`, unless the user set that variable): its AVX-512 sgemm gives a
+row's result bits that depend on the call's width (the last 1-8 columns of a 16-column
+tile go through another kernel; measured on an AMD EPYC Zen 4 VM, 2026-12-04), and no
+batch-invariant attention grouping exists under it for rows over ~1,000 keys, so the
+exact rows engine could not run. Its matmul is ~30% slower there (185 -> 131 GFLOP/s).
+
 Environment: TANDEM_BLAS=auto (default) | off | /path/to/libblas.so; OpenBLAS reads its own
-OPENBLAS_NUM_THREADS. `blas_threads` / `set_blas_threads` read and set that count.
+OPENBLAS_NUM_THREADS and OPENBLAS_CORETYPE. `blas_threads` / `set_blas_threads` read and set
+that count.
 Oracle: tests/test_blas.py (OpenBLAS preloaded by default and mapped into the
 process; TANDEM_BLAS=off and mlx-imported-first keep the reference BLAS; a bad
 path is an error). Parity with mlx-lm under it: tests/test_generate_parity.py.
@@ -49,6 +57,7 @@ def preload_blas(setting: str | None = None) -> BlasInfo:
         except OSError as err:
             raise ValueError(f"TANDEM_BLAS={setting!r} could not be loaded: {err}") from err
         return BlasInfo(os.path.basename(setting), setting, "TANDEM_BLAS path")
+    kernel = _exact_kernel()
     found = ctypes.util.find_library("openblas")
     for name in (found, *_CANDIDATES):
         if not name:
@@ -57,8 +66,29 @@ def preload_blas(setting: str | None = None) -> BlasInfo:
             ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
         except OSError:
             continue
-        return BlasInfo("openblas", name, "preloaded before MLX")
+        return BlasInfo("openblas", name, "preloaded before MLX" + kernel)
     return BlasInfo("reference", None, "OpenBLAS not found (apt-get install libopenblas0-pthread)")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())
+
+
+def _exact_kernel() -> str:
+    """Choose OpenBLAS's Haswell kernels on an AVX-512 CPU (see the header); a note for
+    BlasInfo.reason. Left alone where the user set OPENBLAS_CORETYPE."""
+    if "OPENBLAS_CORETYPE" in os.environ:
+        return f"; OPENBLAS_CORETYPE={os.environ['OPENBLAS_CORETYPE']} (set by the user)"
+    flags = _cpu_flags()
+    if "avx512f" in flags and {"avx2", "fma"} <= flags:
+        os.environ["OPENBLAS_CORETYPE"] = "Haswell"
+        return "; Haswell kernels (AVX-512 sgemm is not batch-invariant)"
+    return ""
 
 
 def _openblas_call(name: str) -> ctypes._CFuncPtr | None:
