@@ -94,3 +94,13 @@ def test_openblas_avx512_kernels_make_attention_depend_on_the_batch():
             "attention_mismatches as m; print(m(1, [70, 2000], 1, 9, 3, 64, mx.float32))")
     assert _run(code).stdout.strip() == "0"
     assert int(_run(code, OPENBLAS_CORETYPE="SkylakeX").stdout.strip()) > 0
+
+
+@avx512
+def test_under_avx512_kernels_the_attention_probe_refuses_instead_of_running_inexact():
+    """A user who forces the AVX-512 kernels gets a clear error, not a silently inexact engine."""
+    code = ("import mlx_tandem; from mlx_tandem.kv.attention import stable_group_rows as s; "
+            "print(s(64, 9, 3, 'mlx.core.float32'))")
+    assert _run(code).stdout.strip().isdigit()
+    done = _run(code, OPENBLAS_CORETYPE="SkylakeX")
+    assert "no batch-invariant attention grouping exists" in done.stderr

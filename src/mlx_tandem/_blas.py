@@ -17,7 +17,8 @@ OPENBLAS_NUM_THREADS and OPENBLAS_CORETYPE. `blas_threads` / `set_blas_threads` 
 that count.
 Oracle: tests/test_blas.py (OpenBLAS preloaded by default and mapped into the
 process; TANDEM_BLAS=off and mlx-imported-first keep the reference BLAS; a bad
-path is an error). Parity with mlx-lm under it: tests/test_generate_parity.py.
+path is an error; an AVX-512 CPU gets the Haswell kernels unless the user chose, and
+under the AVX-512 ones attention is not batch-invariant). Parity with mlx-lm under it: tests/test_generate_parity.py.
 """
 
 from __future__ import annotations
