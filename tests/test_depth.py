@@ -329,3 +329,38 @@ def test_the_slowest_rows_of_a_burst_do_not_set_the_next_rows_start(by_request):
     policy.steps = 1
     drafts = max(policy.depths(new))
     assert (drafts > 0) == by_request, (policy.seen_alpha, drafts)
+
+
+@pytest.mark.parametrize("copying", [True, False])
+def test_rows_drafting_nothing_are_measured_by_their_shadows(copying):
+    """A drafter with free proposals (prompt lookup's `propose`): rows that draft nothing are
+    measured by checking its proposals against the tokens they then generate. Rows that
+    started badly (acceptance 0.05, drafting off) but now copy their input turn drafting on
+    with no probe; rows whose shadows miss stay off, and no probe ever drafts for them.
+    The negative control: without the shadow the copiers' estimate never moves and they
+    draft only when a probe comes."""
+
+    def run(shadowed):
+        policy = AdaptiveDepth(3)
+        group = rows(8, alpha=0.05)
+        calibrate(policy, group, plain_s=0.1, per_token_s=0.01)
+        if shadowed:
+            policy.shadow = lambda reqs, depths: [[7] * d for d in depths]
+        policy.steps = 1
+        ks = []
+        for _ in range(PROBE - 2):
+            k = max(policy.depths(group))
+            ks.append(k)
+            for r in group:  # a drafted step emits k + 1 tokens (all accepted when copying)
+                r.tokens += [7 if copying else 8] * (k + 1)
+            policy.observe(group, [k] * 8, [k if copying else 0] * 8, 0.0, 0.1 + 0.01 * k,
+                           k + 1)
+        return ks, group
+
+    ks, group = run(shadowed=True)
+    if copying:
+        assert ks[0] == 0 and max(ks) > 0 and min(r.spec_alpha for r in group) > 0.5
+    else:
+        assert max(ks) == 0 and max(r.spec_alpha for r in group) < 0.05
+    ks, group = run(shadowed=False)
+    assert max(ks) == 0 and all(r.spec_alpha == 0.05 for r in group)

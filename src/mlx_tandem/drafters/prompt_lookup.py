@@ -53,14 +53,18 @@ class PromptLookupSource:
     def filter_rows(self, keep: list[int]) -> None:
         pass
 
-    def draft(self, requests: list[Request], depths: list[int], target: StateRows) -> Drafts:
-        tokens = [
+    def propose(self, requests: list[Request], depths: list[int]) -> list[list[int]]:
+        """Up to depths[i] tokens for row i, from its tokens alone (no state changes): also
+        what adaptive depth checks against the tokens rows generate while drafting nothing."""
+        return [
             lookup(np.asarray(r.prompt + r.tokens, dtype=np.int64), k, self.n_min, self.n_max)
             if k > 0
             else []
             for r, k in zip(requests, depths, strict=True)
         ]
-        return Drafts(tokens=tokens, q=[None] * len(requests))
+
+    def draft(self, requests: list[Request], depths: list[int], target: StateRows) -> Drafts:
+        return Drafts(tokens=self.propose(requests, depths), q=[None] * len(requests))
 
     def commit(self, accepted: list[int], hidden: mx.array) -> None:
         pass

@@ -91,6 +91,8 @@ class EngineCore:
         self.depth = depth or FixedDepth(3)
         if isinstance(self.depth, AdaptiveDepth):  # its step costs jump at whole projection calls
             self.depth.quantum = self.runner.row_quantum
+            if drafter is not None and not drafter.samples and hasattr(drafter, "propose"):
+                self.depth.shadow = drafter.propose  # free proposals: measured, not probed
         self.stats = EngineStats()
         self.grammars = GrammarCompiler(
             model.tokenizer._tokenizer, model.graph.vocab_size, model.eos_token_ids

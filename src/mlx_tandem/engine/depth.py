@@ -193,6 +193,10 @@ class AdaptiveDepth:
         self._last_probe = 0
         self._asked: list[int] = []  # the depths of the step being decided (rows in order)
         self._local: set[int] = set()  # ids of its rows with a row-local depth
+        # the drafter's proposals without a verify, for a drafter whose proposals cost only
+        # host work (prompt lookup's `propose`): the engine sets it. Rows drafting
+        # nothing are then measured by their shadows, and no probes run
+        self.shadow: Callable[[list[Request], list[int]], list[list[int]]] | None = None
 
     def _alpha(self, r: Request) -> float:
         return r.spec_alpha if r.spec_alpha is not None else self.prior
@@ -225,6 +229,8 @@ class AdaptiveDepth:
         shared = [r for r, own in zip(requests, local, strict=True) if not own]
         if self.by_request:
             self._fold_left(shared)
+        if self.shadow is not None:
+            self._check_shadows(shared)
         priced = costs if costs.drafted else self._nearest_priced(bucket)
         if costs.plain_s is None or self.steps % RECALIBRATE == 0:
             k = 0  # a plain step: measures what a step of this size costs right now
@@ -235,7 +241,8 @@ class AdaptiveDepth:
             offers = [self.seen_offer if r.spec_offer is None else r.spec_offer for r in shared]
             cost = self._cost(priced, len(requests), sum(offers))
             k = self.shared_depth(alphas, offers=offers, cost=cost)
-            k = self._probe(k, cost(1) - 1, any(r.spec_offer is None for r in shared))
+            if self.shadow is None:
+                k = self._probe(k, cost(1) - 1, any(r.spec_offer is None for r in shared))
         out = []
         for r, own in zip(requests, local, strict=True):
             if own:
@@ -247,6 +254,8 @@ class AdaptiveDepth:
                 out.append(row_cap(r, k))
         self._asked = out
         self._local = {id(r) for r, own in zip(requests, local, strict=True) if own}
+        if self.shadow is not None:
+            self._shadow_rows(requests, out)
         return out
 
     def _nearest_priced(self, bucket: int) -> StepCosts | None:
@@ -309,24 +318,9 @@ class AdaptiveDepth:
         asked = self._asked if len(self._asked) == len(requests) else [0] * len(requests)
         for r, d, a, k in zip(requests, drafted, accepted, asked, strict=True):
             if k:  # asked to draft: did its drafter propose anything?
-                got = 1.0 if d else 0.0
-                r.spec_offer = got if r.spec_offer is None else (1 - s) * r.spec_offer + s * got
-                if not self.by_request:
-                    self.seen_offer = (1 - s) * self.seen_offer + s * got
-            if d:  # a / d: the drafts after a rejection count as failures, which reads
-                # acceptance low where it decays with position (prompt lookup on chat);
-                # a / (a + (a < d)) drafted more on chat and cost it (docs/BENCHMARKS.md,
-                # session 7). A shared row's first drafts say little: it starts from the
-                # recent rows' mean (a row-local one from its own first rate: its history).
-                rate = a / d
-                known = r.spec_alpha
-                if known is None:
-                    known = rate if id(r) in self._local else self.seen_alpha
-                w = s if id(r) in self._local else max(s, 1 / (PRIOR_WEIGHT + r.spec_seen + 1))
-                r.spec_alpha = (1 - w) * known + w * rate
-                r.spec_seen += 1
-                if not self.by_request:
-                    self.seen_alpha = (1 - s) * self.seen_alpha + s * rate
+                self._offered(r, d > 0)
+            if d:
+                self._learn(r, d, a)
         costs = self.costs.setdefault(size_bucket(len(requests)), StepCosts())
         if width == 1:
             costs.plain_s = (
@@ -337,6 +331,61 @@ class AdaptiveDepth:
             extra = draft_s + max(0.0, verify_s - costs.plain_s)
             fit = costs.drafted.setdefault(self.pieces(len(requests) + sum(drafted)), DraftCost())
             fit.add(sum(drafted) / len(requests), extra, s)
+
+    def _offered(self, r: Request, got: bool) -> None:
+        """Row r was asked to draft (or shadowed) and its drafter proposed (got) or not."""
+        s, x = self.smoothing, 1.0 if got else 0.0
+        r.spec_offer = x if r.spec_offer is None else (1 - s) * r.spec_offer + s * x
+        if not self.by_request:
+            self.seen_offer = (1 - s) * self.seen_offer + s * x
+
+    def _learn(self, r: Request, d: int, a: int) -> None:
+        """Row r's drafts of d tokens had their first a accepted (verified, or shadowed).
+        a / d: the drafts after a rejection count as failures, which reads acceptance low
+        where it decays with position (prompt lookup on chat); a / (a + (a < d)) drafted
+        more on chat and cost it (docs/BENCHMARKS.md, session 7). A shared row's first
+        drafts say little: it starts from the recent rows' mean (a row-local one from its
+        own first rate: its history)."""
+        s, rate, local = self.smoothing, a / d, id(r) in self._local
+        known = r.spec_alpha
+        if known is None:
+            known = rate if local else self.seen_alpha
+        w = s if local else max(s, 1 / (PRIOR_WEIGHT + r.spec_seen + 1))
+        r.spec_alpha = (1 - w) * known + w * rate
+        r.spec_seen += 1
+        if not self.by_request:
+            self.seen_alpha = (1 - s) * self.seen_alpha + s * rate
+
+    def _shadow_rows(self, requests: list[Request], depths: list[int]) -> None:
+        """Shared rows drafting nothing this step take the drafter's proposal of k_max
+        tokens, unverified (`shadow`: host work only); `_check_shadows` later compares it
+        with the tokens the row generated — exactly what verifying it would have accepted
+        (greedy rows emit the argmax; sampled rows each position's own keyed sample, and a
+        deterministic draft is accepted while it equals that). One pending per row."""
+        assert self.shadow is not None
+        idle = [r for r, k in zip(requests, depths, strict=True)
+                if k == 0 and r.spec_shadow is None and id(r) not in self._local
+                and row_cap(r, self.k_max) > 0]
+        if not idle:
+            return
+        proposals = self.shadow(idle, [row_cap(r, self.k_max) for r in idle])
+        for r, proposal in zip(idle, proposals, strict=True):
+            self._offered(r, bool(proposal))
+            if proposal:
+                r.spec_shadow = (len(r.tokens), proposal)
+
+    def _check_shadows(self, requests: list[Request]) -> None:
+        for r in requests:
+            if r.spec_shadow is None:
+                continue
+            start, proposal = r.spec_shadow
+            made = r.tokens[start : start + len(proposal)]
+            if len(made) < len(proposal):
+                continue  # not generated yet
+            r.spec_shadow = None
+            self._learn(r, len(proposal), next(
+                (j for j, (p, t) in enumerate(zip(proposal, made, strict=True)) if p != t),
+                len(proposal)))
 
     def _fold_left(self, shared: list[Request]) -> None:
         """Shared rows that left the cohort since the last decision each move the new-row estimates

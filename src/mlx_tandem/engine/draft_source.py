@@ -17,6 +17,12 @@ A drafter whose rows need the prompt (a draft model) may also offer
 prompt's prefill, so that work runs inside the same budgeted prefill units;
 `prepare_append` then does only what is left.
 
+A drafter whose proposals cost host work only (prompt lookup) may also offer
+`propose(requests, depths) -> list[list[int]]`: the tokens `draft` would propose, with no
+state change. Adaptive depth then measures rows that draft nothing by checking those
+proposals against the tokens the rows go on to generate (engine/depth.py), instead of
+probing with real drafts.
+
 `Drafts.q` carries the distribution each proposal was drawn from when the
 drafter samples (None: proposals are deterministic, q is one-hot) — the
 verifier needs it for the rejection rule.

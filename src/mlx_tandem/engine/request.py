@@ -176,6 +176,7 @@ class Request:
         self.spec_alpha: float | None = None  # per-token draft acceptance estimate (adaptive depth)
         self.spec_offer: float | None = None  # share of asked steps the drafter proposed in
         self.spec_seen = 0  # drafts of this row whose acceptance was observed (steps)
+        self.spec_shadow: tuple[int, list[int]] | None = None  # (len(tokens) then, proposal)
         self.stats = RequestStats(prompt_tokens=len(prompt), arrival=time.perf_counter())
         self.events = EventChannel()
 
