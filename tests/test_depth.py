@@ -364,3 +364,17 @@ def test_rows_drafting_nothing_are_measured_by_their_shadows(copying):
         assert max(ks) == 0 and max(r.spec_alpha for r in group) < 0.05
     ks, group = run(shadowed=False)
     assert max(ks) == 0 and all(r.spec_alpha == 0.05 for r in group)
+
+
+def test_the_engine_shadows_only_drafters_whose_proposals_are_free():
+    from mlx_tandem.drafters.draft_model import DraftModelSource
+    from mlx_tandem.drafters.prompt_lookup import PromptLookupSource
+    from mlx_tandem.engine.core import EngineCore
+
+    lookup = EngineCore(tiny(), drafter=PromptLookupSource(), depth=AdaptiveDepth(3))
+    assert lookup.depth.shadow is not None
+    handle = lookup.submit([5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(max_tokens=24))
+    lookup.run_until_idle()
+    assert handle.request.spec_seen > 0  # measured, drafted or shadowed
+    draft = EngineCore(tiny(), drafter=DraftModelSource(tiny()), depth=AdaptiveDepth(3))
+    assert draft.depth.shadow is None  # its proposals cost a forward (and it samples)

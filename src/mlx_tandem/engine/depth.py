@@ -44,6 +44,15 @@ after a long chat load would otherwise finish before the next probe. A shared ro
 observations are averaged with its starting estimate weighted as PRIOR_WEIGHT of them
 (then smoothed): one accepted probe moves it a third of the way, not all of it.
 
+A drafter whose proposals cost host work only (prompt lookup's `propose`, set here as
+`shadow` by the engine) measures rows drafting nothing instead: each takes the proposal it
+would have drafted at k_max, unverified, and once the row has generated that many tokens
+the proposal's matching prefix counts as its accepted drafts — exactly what verifying it
+would have accepted (greedy rows emit the argmax, sampled rows each position's own keyed
+sample, and a deterministic draft is accepted while it equals that). Estimates then stay
+current while drafting is off, so no probes run: a grounded row whose first drafts failed
+turns drafting on when it starts copying, and chat pays nothing to explore.
+
 Rows whose drafts are stochastic (a drafter sampling a sampled row) keep a
 row-local depth — their own acceptance and a fixed cost ratio, never the
 engine's measurements or schedule — because their tokens depend on the depth
