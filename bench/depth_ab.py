@@ -13,7 +13,7 @@ the prefix caches, teaches the adaptive policy its costs) is not reported. Greed
 ignored: every engine generates the same tokens, so time alone differs.
 
 It reports per round and policy: seconds of steps, of which prefill, steps taken, tokens
-drafted and accepted, and time relative to the first policy (below 1: faster). The
+generated (counted from the finished requests), drafted and accepted, and time relative to the first policy (below 1: faster). The
 reference is our own engine without a drafter (the "speculation never costs" question);
 mlx-lm's speed is `batch_throughput.py`'s and `serve_load.py`'s business.
 """
@@ -55,11 +55,11 @@ class Timed:
                 self.prefill_s += time.perf_counter() - t
 
         self.core._prefill = timed_prefill  # type: ignore[method-assign]
-        self.prefill_s = 0.0
+        self.run_round([], 0, 0, 0)
 
     def run_round(self, texts: list[list[int]], rows: int, requests: int, tokens: int) -> None:
         self.step_s = self.prefill_s = 0.0
-        self.steps = self.sent = 0
+        self.steps = self.sent = self.generated = 0
         self.live: list[RequestHandle] = []
         stats = self.core.stats
         self.start = (sum(stats.drafted.values()), sum(stats.accepted.values()))
@@ -67,6 +67,8 @@ class Timed:
 
     def step(self) -> bool:
         """Top the load up to `rows` requests and take one step; False when the round is done."""
+        done = [h for h in self.live if h.request.finish_reason is not None]
+        self.generated += sum(len(h.request.tokens) for h in done)
         self.live = [h for h in self.live if h.request.finish_reason is None]
         while len(self.live) < self.rows and self.sent < self.requests:
             text = self.texts[self.sent % len(self.texts)]
@@ -104,9 +106,9 @@ def main() -> None:
     engines = [Timed(p, model, config) for p in args.policies]
     print(machine_line(f"depth policies in lockstep, {args.model}, {args.load} load, "
                        f"{args.rows} rows, {args.requests} requests of {args.tokens} tokens"))
-    print("| round | policy | step s | prefill s | steps | drafted | accepted | time vs "
-          f"{args.policies[0]} |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| round | policy | step s | prefill s | steps | generated | drafted | accepted | "
+          f"time vs {args.policies[0]} |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for rnd in range(args.rounds + 1):  # round 0 warms up
         for e in engines:
             e.run_round(texts, args.rows, args.requests, args.tokens)
@@ -118,7 +120,7 @@ def main() -> None:
         for e in engines:
             drafted, accepted = e.counts()
             print(f"| {rnd} | {e.policy} | {e.step_s:.2f} | {e.prefill_s:.2f} | {e.steps} | "
-                  f"{drafted} | {accepted} | {e.step_s / engines[0].step_s:.3f} |", flush=True)
+                  f"{e.generated} | {drafted} | {accepted} | {e.step_s / engines[0].step_s:.3f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -372,13 +372,13 @@ class AdaptiveDepth:
         (greedy rows emit the argmax; sampled rows each position's own keyed sample, and a
         deterministic draft is accepted while it equals that). One pending per row."""
         assert self.shadow is not None
-        idle = [r for r, k in zip(requests, depths, strict=True)
+        idle = [(r, cap) for r, k in zip(requests, depths, strict=True)
                 if k == 0 and r.spec_shadow is None and id(r) not in self._local
-                and row_cap(r, self.k_max) > 0]
+                and (cap := row_cap(r, self.k_max)) > 0]
         if not idle:
             return
-        proposals = self.shadow(idle, [row_cap(r, self.k_max) for r in idle])
-        for r, proposal in zip(idle, proposals, strict=True):
+        proposals = self.shadow([r for r, _ in idle], [cap for _, cap in idle])
+        for (r, _), proposal in zip(idle, proposals, strict=True):
             self._offered(r, bool(proposal))
             if proposal:
                 r.spec_shadow = (len(r.tokens), proposal)
