@@ -50,6 +50,9 @@ def test_wide_calls_run_turned_and_each_row_keeps_its_one_row_result(bias):
     turned = turned_form(layer)
     plan = probe_plan(layer, 576, turned=turned)
     assert 0 < plan.chunk < 16 < plan.wide, plan  # the regime here: one turned call for 16 rows
+    # only calls the plain form would split run turned; no timing, so every build plans alike
+    assert plan.turned_from == plan.chunk + 1
+    assert probe_plan(layer, 576, turned=turned) == plan
     planned = follow_plan(layer, plan, BlockMode(), turned)
     x = mx.random.normal((96, 576), key=mx.random.key(7))
     alone = mx.concatenate([layer(x[i : i + 1]) for i in range(96)])

@@ -10,9 +10,9 @@ A fast BLAS picks kernels by shape. Measured here, two regimes exist:
     all equal the one-row result — split calls into pieces of at most c rows.
     The turned form `(W @ x.T).T` puts the rows on the BLAS call's other side,
     where (measured here) calls of 1 to 30 rows all equal the one-row result:
-    calls run turned, in pieces of at most `wide` rows, from the row count at
-    which the probe timed it faster (every layer projection here; the LM head
-    past c rows), so 16 rows stream each weight once instead of twice.
+    calls of more than c rows run turned, in pieces of at most `wide` rows, so
+    16 rows stream each weight once instead of twice; calls of at most c rows
+    run as they are (no timing: the plan is the same in every build).
 `probe_plan` measures a projection once and returns its `RowPlan`.
 `row_stable(model)` returns a copy of the module tree (sharing every weight
 array) whose projections follow their plans and whose attention layers run the
@@ -41,8 +41,6 @@ from __future__ import annotations
 
 import copy
 import math
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -95,8 +93,8 @@ def probe_plan(
     packable: bool = False,
 ) -> RowPlan:
     """Measure fn's regime: the padding from which rows are stable, else the largest exact chunk
-    (and, given fn's turned form, up to how many rows every turned call is exact and from
-    which row count it is the faster form, timed here: either form gives the same rows;
+    (and, given fn's turned form, up to how many rows every turned call is exact: calls
+    that the plain form would split run turned, either form gives the same rows;
     `packable`: the call size and period of packed calls, see `_packing`)."""
     x = _probe_rows(REFERENCE_ROWS, in_dims, dtype)
     ref = fn(x)
@@ -115,8 +113,11 @@ def probe_plan(
     wide = _exact_up_to(turned, x, single, 0, MAX_WIDE, (3,)) if turned is not None else 0
     if turned is None or wide <= chunk:
         return RowPlan(chunk=chunk, pack=pack, period=period)
-    faster = _faster_from(fn, turned, x, chunk)
-    return RowPlan(chunk=chunk, wide=wide, turned_from=faster, pack=pack, period=period)
+    # Turned only where the plain form would split: calls of at most `chunk` rows run as
+    # they are. Timing both forms to pick (as sessions 5-17 did) made the plan differ from
+    # one build to the next on a noisy machine, and the turned form at few rows ran erratically
+    # slow inside the engine (B = 8: 37-77 tok/s by build, docs/BENCHMARKS.md session 18).
+    return RowPlan(chunk=chunk, wide=wide, turned_from=chunk + 1, pack=pack, period=period)
 
 
 def _probe_rows(rows: int, in_dims: int, dtype: mx.Dtype) -> mx.array:
@@ -170,28 +171,6 @@ def _periodic(fn: Fn, rows: mx.array, ref: mx.array, period: int) -> bool:
     alone[period : 2 * period] = rows[period : 2 * period]
     ours = slice(period, 2 * period)
     return mx.array_equal(fn(alone)[ours], ref[ours]).item()
-
-
-def _faster_from(fn: Fn, turned: Fn, x: mx.array, chunk: int) -> int:
-    """The fewest rows from which the turned form is the faster one at every probed count up
-    to `chunk` (chunk + 1: only where calls would otherwise split)."""
-    counts = [r for r in (1, 4) if r < chunk] + [chunk]
-    start = chunk + 1
-    for rows in reversed(counts):
-        if _seconds(turned, x[:rows]) >= _seconds(fn, x[:rows]):
-            break
-        start = rows
-    return start
-
-
-def _seconds(fn: Fn, x: mx.array, repeats: int = 3) -> float:
-    mx.eval(fn(x))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        mx.eval(fn(x))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _exact_up_to(
