@@ -136,6 +136,27 @@ def test_tandem_distill_writes_a_folder_the_drafter_loads(tiny, tmp_path, monkey
     assert source.name == "assistant" and not source.samples
     assert build_drafter(f"{out}:sample", model, RuntimeConfig.resolve(environ={})).samples
 
+    # --init continues that assistant in a new folder: its vocabulary and weights, not new ones
+    more = tmp_path / "more"
+    args = ["distill", "--target", str(folder), "--out", str(more), "--minutes", "0.05",
+            "--data-minutes", "1", "--prompts", "40", "--max-tokens", "12", "--vocab", "32",
+            "--batch-tokens", "256", "--seed", "5", "--max-steps", "2"]
+    assert main([*args, "--init", str(out)]) == 0
+    cont = json.loads((more / "config.json").read_text())
+    assert cont["draft_vocab_size"] == 64 and cont["hidden_size"] == 32  # the init's shape wins
+    assert cont["extra"]["init"] == str(out) and cont["extra"]["init_steps"] == config["extra"]["steps"]
+    assert mx.array_equal(load_assistant(more).draft_vocab, load_assistant(out).draft_vocab).item()
+    ours, theirs = load_assistant(more), load_assistant(out)  # two small steps apart
+    near = mx.abs(ours.pre_projection.weight - theirs.pre_projection.weight).max().item()
+    fresh = new_assistant(model, DistillOptions(layers=1, width=32, intermediate=64, vocab=64),
+                          theirs.draft_vocab.tolist())
+    far = mx.abs(fresh.pre_projection.weight - theirs.pre_projection.weight).max().item()
+    assert near < 2e-3 and far > 0.05, (near, far)
+    capsys.readouterr()
+    assert main([*args, "--init", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert "--init" in err and "no assistant there" in err
+
 
 def test_assistant_spec_without_a_trained_assistant_says_how_to_train(tiny, monkeypatch, tmp_path):
     _, model = tiny

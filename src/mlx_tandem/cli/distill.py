@@ -44,6 +44,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dataset-replies", type=int, default=defaults.dataset_replies,
                    help="also train on ShareGPT's own replies to this many other prompts "
                    "(teacher-forced; the loss is still the target's distribution)")
+    p.add_argument("--init", default=None, metavar="FOLDER",
+                   help="continue training this assistant (its shape and draft vocabulary win "
+                   "over --layers/--width/--intermediate/--vocab); a checkpoint in --out wins "
+                   "over it")
     p.add_argument("--max-steps", type=int, default=0,
                    help="also stop training after this many steps (0: the time budget only)")
     p.add_argument("--max-tokens", type=positive_int, default=defaults.max_tokens)
@@ -56,6 +60,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    init = Path(args.init).expanduser() if args.init else None
+    if init is not None and not (init / "config.json").is_file():
+        raise ValueError(f"--init {args.init}: no assistant there (no config.json)")
     target = load(args.target, dtype=args.dtype)
     out = Path(args.out).expanduser() if args.out else default_folder(target.name)
     train = TrainConfig(depth=args.depth, minutes=args.minutes, seed=args.seed, lr=args.lr,
@@ -63,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     opts = DistillOptions(
         layers=args.layers, width=args.width, intermediate=args.intermediate, vocab=args.vocab,
         prompts=args.prompts, max_tokens=args.max_tokens, data_minutes=args.data_minutes,
-        dataset_replies=args.dataset_replies,
+        dataset_replies=args.dataset_replies, init=init,
         train=train, command="tandem " + shlex.join(args.argv),
     )
     bar = tqdm(total=round(args.minutes * 60), unit="s", desc="training", leave=True)

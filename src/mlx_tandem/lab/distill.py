@@ -55,6 +55,7 @@ class DistillOptions:
     max_tokens: int = 256
     data_minutes: float = 15.0
     dataset_replies: int = 0  # ShareGPT's own replies to other prompts, added to training
+    init: Path | None = None  # start from this trained assistant (its shape and vocabulary)
     train: TrainConfig = field(default_factory=TrainConfig)
     command: str = ""
 
@@ -73,6 +74,28 @@ def draft_vocabulary(samples: list[Sample], size: int, vocab_size: int) -> tuple
     total = sum(counts.values())
     covered = sum(counts[t] for t in top)
     return sorted(top), covered / max(total, 1)
+
+
+def vocab_coverage(samples: list[Sample], vocab: list[int]) -> float:
+    """The share of reply tokens inside `vocab`."""
+    inside = set(vocab)
+    total = sum(len(s.response) for s in samples)
+    return sum(t in inside for s in samples for t in s.response) / max(total, 1)
+
+
+def initial_assistant(target: LoadedModel, folder: Path) -> Assistant:
+    """A trained tandem assistant to continue training (float32), checked against `target`."""
+    from mlx_tandem.models.assistant_folder import load_assistant
+
+    model = load_assistant(folder)
+    cfg = model.config
+    if cfg.model_type != "tandem_assistant" or cfg.head != "target":
+        raise ValueError(f"--init {folder}: only a tandem assistant with the target's head "
+                         f"rows can continue training (got {cfg.model_type}, head {cfg.head})")
+    if cfg.backbone_hidden_size != int(target.config["hidden_size"]):
+        raise ValueError(f"--init {folder}: made for a {cfg.backbone_hidden_size}-wide target, "
+                         f"{target.name} is {target.config['hidden_size']} wide")
+    return model
 
 
 def new_assistant(target: LoadedModel, opts: DistillOptions, vocab: list[int]) -> Assistant:
@@ -153,7 +176,12 @@ def distill(
     random.Random(opts.train.seed).shuffle(order)
     cut = max(1, len(order) // 20)
     held, train = order[:cut], order[cut:]
-    vocab, coverage = draft_vocabulary(train, opts.vocab, target.graph.vocab_size)
+    if opts.init is not None:  # before any training state changes: a bad folder fails here
+        model = initial_assistant(target, opts.init)
+        vocab = model.draft_vocab.tolist()
+        coverage = vocab_coverage(train, vocab)
+    else:
+        vocab, coverage = draft_vocabulary(train, opts.vocab, target.graph.vocab_size)
     say(f"draft vocabulary: {len(vocab)} tokens cover {coverage:.1%} of reply tokens")
     if opts.dataset_replies:  # other train-split prompts than the corpus's (held-out stays clean)
         extra = dataset_replies(
@@ -163,13 +191,15 @@ def distill(
         train = train + extra
         say(f"dataset replies: {len(extra)} ({sum(len(s.response) for s in extra)} tokens) "
             "join training, teacher-forced")
-    mx.random.seed(opts.train.seed)  # the initial weights
-    model = new_assistant(target, opts, vocab)
+    if opts.init is None:
+        mx.random.seed(opts.train.seed)  # the initial weights
+        model = new_assistant(target, opts, vocab)
     trainer = Trainer(model, target, opts.train, out)
     trainer.full_vocab = coverage < FULL_VOCAB_BELOW
     if trainer.load_checkpoint():
         say(f"resuming at step {trainer.step} ({trainer.elapsed / 60:.1f} min done)")
     start_step = trainer.step
+    prior = dict(model.config.extra) if opts.init is not None else {}
     held_batches = [(b, trainer.features(b)) for b in batches(held, opts.train, random.Random(1))]
     start_alpha = acceptance(model, target, trainer.donors, held_batches, opts.train.depth)
     alpha = trainer.run(train, held_batches, report)
@@ -189,9 +219,12 @@ def distill(
         "held_out_alpha": alpha,
         "held_out_tokens_per_forward": expected_tokens(alpha),
         "start_step": start_step,  # > 0: this run resumed a checkpoint
+        "init": str(opts.init) if opts.init else None,  # the assistant this run started from
+        "init_steps": prior.get("steps", 0) + prior.get("init_steps", 0),
         "start_alpha": start_alpha,  # held-out acceptance when this run started
         "options": {k: v for k, v in asdict(opts).items() if k != "command"},
     }
+    summary["options"]["init"] = summary["init"]
     model.config.extra = summary
     save_assistant(model, out)
     return summary

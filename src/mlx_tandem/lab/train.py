@@ -9,7 +9,9 @@ For every anchor t at once, unrolled `depth` steps exactly as at inference:
     layers: the last `window` of them) — the committed context when x_{t+1}
     is the pending token;
     step j is scored against the target's distribution at t+j (the token
-    x_{t+j+1}), renormalised over the draft vocabulary, by KL, weight 0.8^(j-1);
+    x_{t+j+1}), renormalised over the draft vocabulary and kept as its TEACHER_TOP most
+    likely tokens (renormalised again; computed once per batch with the features), by
+    KL, weight 0.8^(j-1);
     anchors whose target argmax falls outside the draft vocabulary, and
     predicted tokens outside the assistant's reply, are masked.
 
@@ -47,6 +49,7 @@ from mlx_tandem.models.assistant import (
 from mlx_tandem.models.loader import LoadedModel
 
 STEP_DECAY = 0.8
+TEACHER_TOP = 64  # the teacher's distribution per position, truncated to its top tokens
 KEEP = mx.float16  # cached features
 BUCKET = 64  # sequence lengths are padded to multiples of this
 
@@ -81,6 +84,8 @@ class Features:
     donors: list[tuple[mx.array, mx.array]]  # per assistant layer: keys, values (N, Hkv, T, hd)
     inside: mx.array  # (N, T) the target's argmax is in the draft vocabulary
     argmax: mx.array  # (N, T) the target's argmax, as a draft-vocabulary index (if inside)
+    top_ids: mx.array  # (N, T, TEACHER_TOP) the teacher's most likely draft-vocabulary indices
+    top_p: mx.array  # (N, T, TEACHER_TOP) their probabilities, renormalised to sum to 1
 
 
 @dataclass
@@ -155,8 +160,13 @@ def target_features(
         (caches[d.index].keys[:, :, :T].astype(KEEP), caches[d.index].values[:, :, :T].astype(KEEP))
         for d in donors
     ]
-    out = Features(hidden.astype(KEEP), kv, inside, mx.argmax(sub, axis=-1))
-    mx.eval(out.hidden, out.inside, out.argmax, *[a for p in kv for a in p])
+    top_ids = mx.argpartition(-sub, TEACHER_TOP - 1, axis=-1)[..., :TEACHER_TOP]
+    top = mx.take_along_axis(sub, top_ids, axis=-1).astype(mx.float32)
+    top_p = mx.softmax(top, axis=-1)  # renormalised over the kept tokens
+    out = Features(hidden.astype(KEEP), kv, inside, mx.argmax(sub, axis=-1),
+                   top_ids.astype(mx.int32), top_p)
+    mx.eval(out.hidden, out.inside, out.argmax, out.top_ids, out.top_p,
+            *[a for p in kv for a in p])
     return out
 
 
@@ -200,13 +210,14 @@ def unroll(
     return logps, scored
 
 
-def loss_fn(assistant, target, donors, teacher, batch, feats, depth) -> mx.array:
+def loss_fn(assistant, target, donors, batch, feats, depth) -> mx.array:
     logps, scored = unroll(assistant, target, donors, batch, feats, depth)
     A = batch.ids.shape[1] - depth - 1
     total, weight = mx.array(0.0), 0.0
     for j, (lq, ok) in enumerate(zip(logps, scored, strict=True)):
-        p_log = teacher.log_probs(feats.hidden[:, j + 1 : j + 1 + A])
-        kl = (mx.exp(p_log) * (p_log - lq)).sum(-1)
+        p = feats.top_p[:, j + 1 : j + 1 + A]
+        picked = mx.take_along_axis(lq, feats.top_ids[:, j + 1 : j + 1 + A], axis=-1)
+        kl = (p * (mx.log(mx.maximum(p, 1e-30)) - picked)).sum(-1)
         n = mx.maximum(ok.sum(), 1)
         total = total + STEP_DECAY**j * (kl * ok).sum() / n
         weight += STEP_DECAY**j
@@ -275,7 +286,7 @@ class Trainer:
 
     def train_step(self, batch: Batch, feats: Features) -> float:
         loss, grads = self._grad(
-            self.assistant, self.target, self.donors, self.teacher, batch, feats, self.cfg.depth
+            self.assistant, self.target, self.donors, batch, feats, self.cfg.depth
         )
         grads, _ = optim.clip_grad_norm(grads, self.cfg.clip)
         self.opt.learning_rate = mx.array(self.lr())
