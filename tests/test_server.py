@@ -411,7 +411,10 @@ def test_disconnect_cancels_the_row(plain):
             data += line.startswith("data: ")
             if data == 3:
                 break
-        assert len(plain.engine.running) == 1
+        # in flight (a row, or still joining: under a loaded machine the stream's first lines
+        # can come before the row merges into the cohort)
+        sched = plain.engine.scheduler
+        assert len(plain.engine.running) + len(sched.joining) + len(sched.waiting) == 1
     # 3,000 tokens would take minutes: idle within seconds means the row was cancelled (the
     # bound is loose: a loaded 2-core CI machine runs a step in up to ~1 s)
     assert plain.wait_idle(10.0), "the row was not cancelled"
