@@ -155,6 +155,8 @@ def distill(
     """Run every stage for `target`, writing `out`; returns the summary saved with it."""
     if prompts is not None and opts.dataset_replies:
         raise ValueError("dataset_replies needs ShareGPT's replies: leave `prompts` unset")
+    # a bad --init fails before any work: no corpus answered, no folder written
+    model = initial_assistant(target, opts.init) if opts.init is not None else None
     out.mkdir(parents=True, exist_ok=True)
     corpus_path = out / "corpus.jsonl"
     replies: dict[str, str] = {}
@@ -176,8 +178,7 @@ def distill(
     random.Random(opts.train.seed).shuffle(order)
     cut = max(1, len(order) // 20)
     held, train = order[:cut], order[cut:]
-    if opts.init is not None:  # before any training state changes: a bad folder fails here
-        model = initial_assistant(target, opts.init)
+    if model is not None:  # continuing: its vocabulary, not the corpus's most frequent
         vocab = model.draft_vocab.tolist()
         coverage = vocab_coverage(train, vocab)
     else:
@@ -191,7 +192,7 @@ def distill(
         train = train + extra
         say(f"dataset replies: {len(extra)} ({sum(len(s.response) for s in extra)} tokens) "
             "join training, teacher-forced")
-    if opts.init is None:
+    if model is None:
         mx.random.seed(opts.train.seed)  # the initial weights
         model = new_assistant(target, opts, vocab)
     trainer = Trainer(model, target, opts.train, out)
