@@ -71,9 +71,7 @@ def draft_vocabulary(samples: list[Sample], size: int, vocab_size: int) -> tuple
     if len(top) < size:  # pad with the lowest unused ids so the head has a fixed size
         used = set(top)
         top += [t for t in range(vocab_size) if t not in used][: size - len(top)]
-    total = sum(counts.values())
-    covered = sum(counts[t] for t in top)
-    return sorted(top), covered / max(total, 1)
+    return sorted(top), vocab_coverage(samples, top)
 
 
 def vocab_coverage(samples: list[Sample], vocab: list[int]) -> float:

@@ -113,10 +113,9 @@ def probe_plan(
     wide = _exact_up_to(turned, x, single, 0, MAX_WIDE, (3,)) if turned is not None else 0
     if turned is None or wide <= chunk:
         return RowPlan(chunk=chunk, pack=pack, period=period)
-    # Turned only where the plain form would split: calls of at most `chunk` rows run as
-    # they are. Timing both forms to pick (as sessions 5-17 did) made the plan differ from
-    # one build to the next on a noisy machine, and the turned form at few rows ran erratically
-    # slow inside the engine (B = 8: 37-77 tok/s by build, docs/BENCHMARKS.md session 18).
+    # Turned only where the plain form would split; calls of at most `chunk` rows run as
+    # they are. Not timed: a timed choice differed from build to build on a noisy machine
+    # (docs/BENCHMARKS.md, session 18), and the plan must be the same in every build.
     return RowPlan(chunk=chunk, wide=wide, turned_from=chunk + 1, pack=pack, period=period)
 
 
