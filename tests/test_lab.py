@@ -70,6 +70,31 @@ def test_expected_tokens_per_forward():
     assert expected_tokens([0.5, 0.5]) == pytest.approx(1.75)
 
 
+def test_acceptance_counts_tokens_outside_the_draft_vocabulary_as_misses(monkeypatch):
+    """A drafter right on every in-vocabulary token still misses the one the target emits
+    outside its vocabulary (the loss masks it; acceptance must not count it out)."""
+    import mlx_tandem.lab.train as train
+
+    T, depth, vd = 8, 2, 6
+    A = T - depth - 1
+    argmax = mx.array([[1, 2, 3, 4, 5, 0, 1, 2]])
+    inside = mx.array([[True, True, True, False, True, True, True, True]])
+    batch = train.Batch(ids=mx.zeros((1, T), mx.int32), reply=mx.ones((1, T), mx.bool_))
+    feats = train.Features(hidden=mx.zeros((1, T, 4)), donors=[], inside=inside, argmax=argmax,
+                           top_ids=mx.zeros((1, T, 1), mx.int32), top_p=mx.ones((1, T, 1)))
+
+    def always_right(assistant, target, donors, b, f, d):  # argmax = the target's, each step
+        logps = [mx.log(mx.eye(vd)[f.argmax[:, j + 1 : j + 1 + A]] + 1e-9) for j in range(d)]
+        return logps, [b.reply[:, j + 2 : j + 2 + A] & f.inside[:, j + 1 : j + 1 + A]
+                       for j in range(d)]
+
+    monkeypatch.setattr(train, "unroll", always_right)
+    alpha = acceptance(None, None, [], [(batch, feats)], depth)
+    # step 1: anchors 0..4 predict positions 1..5; position 3 is outside -> 4 of 5
+    # step 2: the 4 survivors predict positions 2..6; anchor 1 lands on position 3 -> 3 of 4
+    assert alpha == [pytest.approx(4 / 5), pytest.approx(3 / 4)]
+
+
 def training_setup(model, tmp_path, minutes):
     rng = random.Random(0)
     words = ["cat", "dog", "sun", "red", "go"]
@@ -126,6 +151,7 @@ def test_tandem_distill_writes_a_folder_the_drafter_loads(tiny, tmp_path, monkey
     assert is_assistant_folder(out)
     config = json.loads((out / "config.json").read_text())
     assert config["extra"]["seed"] == 5 and "tandem distill" in config["extra"]["command"]
+    assert config["extra"]["machine"]["device"].startswith("cpu")  # where it trained
     assert config["draft_vocab_size"] == 64 and config["layer_types"] == ["full_attention"]
     assert load_assistant(out).draft_vocab.shape == (64,)
     assert len(read_corpus(out / "corpus.jsonl")) == 40

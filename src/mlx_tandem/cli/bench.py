@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
-import time
 from dataclasses import asdict
-from importlib.metadata import version
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
@@ -74,26 +71,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def machine() -> dict[str, str]:
-    import mlx.core as mx
-
-    from mlx_tandem import BLAS
-
-    return {
-        "platform": f"{platform.system()} {platform.machine()}",
-        "device": "cpu" if mx.default_device() == mx.cpu else "gpu",
-        "blas": BLAS.name,
-        "mlx": version("mlx"),
-        "mlx_lm": version("mlx-lm"),
-        "mlx_tandem": version("mlx-tandem"),
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-    }
-
-
 def measure_all(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
     from tqdm import tqdm
 
-    from mlx_tandem.lab.bench import Summary, build_engines, encode_prompts, measure, plan
+    from mlx_tandem import BLAS
+    from mlx_tandem.lab.bench import (
+        Summary,
+        build_engines,
+        encode_prompts,
+        machine,
+        measure,
+        plan,
+    )
     from mlx_tandem.models.loader import load
 
     say = (lambda _: None) if args.json else (lambda text: print(text, file=sys.stderr))
@@ -113,7 +102,7 @@ def measure_all(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
         "model": model.name,
         "dtype": model.dtype,
         "settings": {**asdict(settings), "quick": args.quick},
-        "machine": machine(),
+        "machine": {**machine(), "blas": BLAS.name},
         "configurations": [asdict(r) for r in rows],
     }
 

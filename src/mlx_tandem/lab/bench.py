@@ -27,11 +27,13 @@ Oracle: tests/test_bench_cli.py.
 
 from __future__ import annotations
 
+import platform
 import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from importlib.metadata import version
 from typing import Any
 
 from mlx_tandem.drafters.factory import build_depth, build_drafter
@@ -77,6 +79,24 @@ COPY_PROMPTS = [f"Repeat exactly, word for word:\n\n{p}" for p in _PASSAGES]
 
 WARMUP_TOKENS = 2
 
+
+
+def machine() -> dict[str, str]:
+    """Where a measurement or a training run happened: platform, device, versions, date."""
+    import mlx.core as mx
+
+    try:
+        name = str(mx.device_info().get("device_name", ""))
+    except (AttributeError, RuntimeError):
+        name = ""
+    return {
+        "platform": f"{platform.system()} {platform.machine()}",
+        "device": ("cpu" if mx.default_device() == mx.cpu else "gpu") + (f" ({name})" if name else ""),
+        "mlx": version("mlx"),
+        "mlx_lm": version("mlx-lm"),
+        "mlx_tandem": version("mlx-tandem"),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
 
 @dataclass(frozen=True)
 class BenchSettings:

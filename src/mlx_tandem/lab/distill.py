@@ -21,6 +21,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from mlx_tandem.lab.bench import machine
 from mlx_tandem.lab.corpus import (
     Sample,
     build_corpus,
@@ -207,6 +208,7 @@ def distill(
         "target": target.name,
         "command": opts.command,
         "seed": opts.train.seed,
+        "machine": machine(),  # where it trained: the device and MLX version
         "train_answers": len(train),
         "train_reply_tokens": tokens,
         "dataset_replies": len(extra),

@@ -16,10 +16,12 @@ For every anchor t at once, unrolled `depth` steps exactly as at inference:
     predicted tokens outside the assistant's reply, are masked.
 
 Greedy acceptance on held-out sequences is measured the same way: per anchor,
-how many consecutive steps' argmax equal the target's argmax.
+how many consecutive steps' argmax equal the target's argmax — a target token
+outside the draft vocabulary counting as a miss, as it is at inference.
 
 Oracle: tests/test_lab.py (training lowers the loss and raises held-out
-acceptance on a tiny target; a resumed run continues from its checkpoint).
+acceptance on a tiny target; a resumed run continues from its checkpoint; a token outside
+the draft vocabulary is an acceptance miss).
 """
 
 from __future__ import annotations
@@ -231,16 +233,20 @@ def acceptance(
     data: list[tuple[Batch, Features]],
     depth: int,
 ) -> list[float]:
-    """Greedy per-position acceptance on held-out batches: P(step j right | steps < j right)."""
+    """Greedy per-position acceptance on held-out batches: P(step j right | steps < j right).
+    A target token outside the draft vocabulary is a miss, as at inference (the loss masks
+    those anchors; counting them out here would overstate the drafter)."""
     right = [0.0] * depth
     reached = [0.0] * depth
     for batch, feats in data:
-        logps, scored = unroll(assistant, target, donors, batch, feats, depth)
+        logps, _ = unroll(assistant, target, donors, batch, feats, depth)
         A = batch.ids.shape[1] - depth - 1
-        alive = scored[0]
+        alive = batch.reply[:, 2 : 2 + A]
         for j, lq in enumerate(logps):
-            hit = (mx.argmax(lq, axis=-1) == feats.argmax[:, j + 1 : j + 1 + A]) & scored[j]
-            reached[j] += float((alive & scored[j]).sum())
+            at = slice(j + 1, j + 1 + A)  # the target's next token after x_{t+j+1}
+            valid = batch.reply[:, j + 2 : j + 2 + A]
+            hit = (mx.argmax(lq, axis=-1) == feats.argmax[:, at]) & feats.inside[:, at] & valid
+            reached[j] += float((alive & valid).sum())
             alive = alive & hit
             right[j] += float(alive.sum())
     return [r / max(n, 1.0) for r, n in zip(right, reached, strict=True)]
