@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from importlib.metadata import version
 from typing import Any
 
+import mlx.core as mx
+
 from mlx_tandem.drafters.factory import build_depth, build_drafter
 from mlx_tandem.engine.config import RuntimeConfig
 from mlx_tandem.engine.core import EngineCore
@@ -80,23 +82,22 @@ COPY_PROMPTS = [f"Repeat exactly, word for word:\n\n{p}" for p in _PASSAGES]
 WARMUP_TOKENS = 2
 
 
-
 def machine() -> dict[str, str]:
     """Where a measurement or a training run happened: platform, device, versions, date."""
-    import mlx.core as mx
-
     try:
         name = str(mx.device_info().get("device_name", ""))
     except (AttributeError, RuntimeError):
         name = ""
     return {
         "platform": f"{platform.system()} {platform.machine()}",
-        "device": ("cpu" if mx.default_device() == mx.cpu else "gpu") + (f" ({name})" if name else ""),
+        "device": ("cpu" if mx.default_device() == mx.cpu else "gpu")
+        + (f" ({name})" if name else ""),
         "mlx": version("mlx"),
         "mlx_lm": version("mlx-lm"),
         "mlx_tandem": version("mlx-tandem"),
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }
+
 
 @dataclass(frozen=True)
 class BenchSettings:
