@@ -11,7 +11,11 @@ requests finished.
   * B = 4 and 16: all prompts submitted at once to an engine with that many rows,
     plain vs the assistant (adaptive depth: it may decide not to draft);
   * for the assistant: per-position acceptance, tokens per target forward, and
-    draft ms vs target (verify) ms per step.
+    draft ms vs target (verify) ms per step;
+  * acceptance on all `--prompts` at fixed depth `--depth`: run batched (a row's
+    greedy drafts and verdicts do not depend on its neighbours, so this is B = 1's
+    acceptance over every prompt, not only the `--b1-prompts` run alone), with its
+    output checked against the batched plain run.
 
     .venv/bin/python bench/assistant.py --model smollm2-135m --b1-prompts 16
 """
@@ -157,8 +161,19 @@ def main() -> None:
                   f"{row[mode]['vs_plain']:.2f}x plain sampling; identical to plain sampling "
                   f"{same}/{len(b1)}")
         results[f"T{T}"] = row
-    for B in (int(b) for b in args.batches.split(",")):
+    sizes = [int(b) for b in args.batches.split(",")]
+    for B in sizes:
         s_pl, n_pl, plain, _ = tandem(model, prompts, args.tokens, B)
+        if max(sizes) == B:
+            _, _, fixed, eng = tandem(model, prompts, args.tokens, B, drafter(),
+                                      build_depth("fixed", args.depth))
+            same = sum(a == b for a, b in zip(plain, fixed, strict=True))
+            results["all_prompts_fixed"] = {"prompts": len(prompts), "identical_outputs": same,
+                                            **spec_line(eng)}
+            row = results["all_prompts_fixed"]
+            print(f"k={args.depth} on all {len(prompts)} prompts (run at B={B}): acceptance "
+                  f"{row['position_acceptance']}, tokens/forward {row['tokens_per_forward']}; "
+                  f"identical {same}/{len(prompts)}")
         s_as, n_as, spec, eng = tandem(model, prompts, args.tokens, B, drafter(),
                                        build_depth("adaptive", args.depth))
         same = sum(a == b for a, b in zip(plain, spec, strict=True))

@@ -18,8 +18,8 @@ plans and attention is the batch-invariant one, so a row's drafts never
 depend on its neighbours.
 
 Oracle: tests/test_assistant.py (greedy speculative == plain at depths 1..6,
-rows joining and leaving; seeded rows alone == batched in sampled mode; the
-chi-square test with the assistant's q).
+rows joining and leaving, the target's rows kept in groups; seeded rows alone ==
+batched in sampled mode; the chi-square test with the assistant's q).
 """
 
 from __future__ import annotations
@@ -128,6 +128,6 @@ class AssistantSource:
         target: StateRows, layer: int, window: int | None
     ) -> tuple[mx.array, mx.array, mx.array]:
         cache = target.layers[layer]
-        if not isinstance(cache, RowKVCache) or cache.kparts is None:
+        if not isinstance(cache, RowKVCache) or cache.capacity == 0:  # grouped rows: in groups
             raise ValueError(f"target layer {layer} holds no attention K/V for the assistant")
         return cache.committed(window)  # decoded through the layer's KV codec
