@@ -8,8 +8,11 @@ import pytest
 from test_engine import run_alone
 
 from mlx_tandem import SamplingParams
+from mlx_tandem.drafters.draft_model import DraftModelSource
+from mlx_tandem.drafters.prompt_lookup import PromptLookupSource
 from mlx_tandem.engine.config import RuntimeConfig
 from mlx_tandem.engine.core import EngineCore
+from mlx_tandem.engine.depth import FixedDepth
 from mlx_tandem.kv import row_groups
 from mlx_tandem.kv.row_cache import RowKVCache
 from mlx_tandem.kv.row_groups import GroupedKVCache, merge_groups
@@ -21,13 +24,13 @@ def _prompts():
     return [*short[:2], [rng.randrange(3, 250) for _ in range(600)], *short[2:]]
 
 
-def _params(n):
+def _params(n, tokens=10):
     out = []
     for i in range(n):
         if i % 2:
-            out.append(SamplingParams(max_tokens=10 + i, temperature=0.9, seed=40 + i))
+            out.append(SamplingParams(max_tokens=tokens + i, temperature=0.9, seed=40 + i))
         else:
-            out.append(SamplingParams(max_tokens=10 + i))
+            out.append(SamplingParams(max_tokens=tokens + i))
     return out
 
 
@@ -36,12 +39,12 @@ def _grouped(core: EngineCore) -> int:
                default=1)
 
 
-def _run(model, together: bool):
+def _run(model, together: bool, drafter=None, tokens=10):
     cfg = RuntimeConfig.resolve(environ={}, prefill_chunk=64, max_rows=8, prefix_cache_bytes=0)
-    prompts, params = _prompts(), _params(5)
+    prompts, params = _prompts(), _params(5, tokens)
     if not together:
         return [run_alone(model, p, sp, cfg) for p, sp in zip(prompts, params, strict=True)], 1
-    core = EngineCore(model, cfg)
+    core = EngineCore(model, cfg, drafter, FixedDepth(3) if drafter else None)
     handles, most = [], 1
     for p, sp in zip(prompts, params, strict=True):
         handles.append(core.submit(p, sp))
@@ -61,6 +64,20 @@ def test_a_long_row_joins_short_rows_as_its_own_group_and_rows_stay_exact(tiny_m
     together, groups = _run(m, together=True)
     assert groups >= 2  # the 600-token row joined as a group of its own
     assert together == alone
+
+
+@pytest.mark.parametrize("drafter", ["draft-model", "ngram"])
+def test_speculative_rows_in_groups_stay_exact(tiny_model, drafter):
+    """Drafts verified over grouped rows (the assistant's own case: tests/test_assistant.py)."""
+    m = tiny_model("llama")
+    alone, _ = _run(m, together=False, tokens=40)  # short rows still running at the join
+    source = DraftModelSource(m) if drafter == "draft-model" else PromptLookupSource()
+    together, groups = _run(m, together=True, drafter=source, tokens=40)
+    assert groups >= 2
+    if drafter == "ngram":  # deterministic drafts: sampled rows are plain sampling's too
+        assert together == alone
+    else:  # a draft model's sampled rows follow the distribution, not plain's draws
+        assert together[::2] == alone[::2]  # the greedy rows
 
 
 def test_groups_read_their_own_rows_of_the_mask(tiny_model, monkeypatch):
