@@ -10,6 +10,7 @@ import random
 import mlx.core as mx
 import numpy as np
 import pytest
+from test_row_groups import run_cohort
 
 from mlx_tandem import SamplingParams
 from mlx_tandem.drafters import assistant as assistant_source
@@ -17,7 +18,6 @@ from mlx_tandem.drafters.assistant import AssistantSource
 from mlx_tandem.engine.config import RuntimeConfig
 from mlx_tandem.engine.core import EngineCore
 from mlx_tandem.engine.depth import AdaptiveDepth, FixedDepth
-from mlx_tandem.kv.row_groups import GroupedKVCache
 from mlx_tandem.lab.distill import DistillOptions, distill
 from mlx_tandem.lab.train import Batch, Teacher, TrainConfig, target_features, unroll
 from mlx_tandem.models import assistant as assistant_model
@@ -85,34 +85,15 @@ def test_greedy_speculation_equals_plain(pair, k):
 
 def test_drafting_over_target_rows_kept_in_groups(pair):
     """A long prompt joining short rows puts the target's rows in groups (kv/row_groups.py),
-    whose K/V live in the groups: the assistant reads them all and the output stays plain's
-    (the drafter once refused grouped rows as holding no K/V, failing the step)."""
+    whose K/V live in the groups: the assistant reads them all and every row's tokens equal
+    the row alone, greedy and seeded (the drafter once refused grouped rows as holding no
+    K/V, failing the step)."""
     target, folder, _ = pair
-    rng = random.Random(5)
-    prompts = prompts_of(target, 4, seed=21)
-    prompts.insert(2, [rng.randrange(3, 250) for _ in range(600)])
-    params = [SamplingParams(max_tokens=12 + i) for i in range(len(prompts))]
-    plain, _ = engine_run(target, prompts, params, None, None, gaps=False)
-    config = RuntimeConfig.resolve(environ={}, prefill_chunk=64, max_rows=8)
-    engine = EngineCore(target, config, AssistantSource(load_assistant(folder), target),
-                        FixedDepth(3))
-    handles, groups = [], 1
-    for p, sp in zip(prompts, params, strict=True):
-        handles.append(engine.submit(p, sp))
-        for _ in range(2):  # the short rows decode while the long one joins
-            engine.step()
-            groups = max(groups, _groups(engine))
-    while engine.busy():
-        engine.step()
-        groups = max(groups, _groups(engine))
+    alone, _ = run_cohort(target, together=False, tokens=40)
+    source = AssistantSource(load_assistant(folder), target)
+    together, groups = run_cohort(target, together=True, drafter=source, tokens=40)
     assert groups >= 2
-    assert [h.result().tokens for h in handles] == plain
-    assert engine.stats.drafted["assistant"] > 0
-
-
-def _groups(engine: EngineCore) -> int:
-    return max((len(c.groups) for c in engine.rows.leaves() if isinstance(c, GroupedKVCache)),
-               default=1)
+    assert together == alone
 
 
 def lab_reference(target, folder, context, drafts):

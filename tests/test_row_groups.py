@@ -39,7 +39,7 @@ def _grouped(core: EngineCore) -> int:
                default=1)
 
 
-def _run(model, together: bool, drafter=None, tokens=10):
+def run_cohort(model, together: bool, drafter=None, tokens=10):
     cfg = RuntimeConfig.resolve(environ={}, prefill_chunk=64, max_rows=8, prefix_cache_bytes=0)
     prompts, params = _prompts(), _params(5, tokens)
     if not together:
@@ -60,8 +60,8 @@ def _run(model, together: bool, drafter=None, tokens=10):
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
 def test_a_long_row_joins_short_rows_as_its_own_group_and_rows_stay_exact(tiny_model, arch):
     m = tiny_model(arch)
-    alone, _ = _run(m, together=False)
-    together, groups = _run(m, together=True)
+    alone, _ = run_cohort(m, together=False)
+    together, groups = run_cohort(m, together=True)
     assert groups >= 2  # the 600-token row joined as a group of its own
     assert together == alone
 
@@ -70,9 +70,9 @@ def test_a_long_row_joins_short_rows_as_its_own_group_and_rows_stay_exact(tiny_m
 def test_speculative_rows_in_groups_stay_exact(tiny_model, drafter):
     """Drafts verified over grouped rows (the assistant's own case: tests/test_assistant.py)."""
     m = tiny_model("llama")
-    alone, _ = _run(m, together=False, tokens=40)  # short rows still running at the join
+    alone, _ = run_cohort(m, together=False, tokens=40)  # short rows still running at the join
     source = DraftModelSource(m) if drafter == "draft-model" else PromptLookupSource()
-    together, groups = _run(m, together=True, drafter=source, tokens=40)
+    together, groups = run_cohort(m, together=True, drafter=source, tokens=40)
     assert groups >= 2
     if drafter == "ngram":  # deterministic drafts: sampled rows are plain sampling's too
         assert together == alone
@@ -83,7 +83,7 @@ def test_speculative_rows_in_groups_stay_exact(tiny_model, drafter):
 def test_groups_read_their_own_rows_of_the_mask(tiny_model, monkeypatch):
     """Negative control: groups that read the first rows' validity are not exact."""
     m = tiny_model("llama")
-    alone, _ = _run(m, together=False)
+    alone, _ = run_cohort(m, together=False)
     attend = GroupedKVCache.attend
 
     def first_rows_mask(self, queries, keys, values, scale, mask, *args, **kwargs):
@@ -92,7 +92,7 @@ def test_groups_read_their_own_rows_of_the_mask(tiny_model, monkeypatch):
         return attend(self, queries, keys, values, scale, wrong, *args, **kwargs)
 
     monkeypatch.setattr(GroupedKVCache, "attend", first_rows_mask)
-    together, groups = _run(m, together=True)
+    together, groups = run_cohort(m, together=True)
     assert groups >= 2
     assert together != alone
 
