@@ -128,6 +128,7 @@ class AssistantSource:
         target: StateRows, layer: int, window: int | None
     ) -> tuple[mx.array, mx.array, mx.array]:
         cache = target.layers[layer]
-        if not isinstance(cache, RowKVCache) or cache.capacity == 0:  # grouped rows: in groups
+        # capacity, not the layer's own buffers: a grouped cohort keeps its K/V in the groups
+        if not isinstance(cache, RowKVCache) or cache.capacity == 0:
             raise ValueError(f"target layer {layer} holds no attention K/V for the assistant")
         return cache.committed(window)  # decoded through the layer's KV codec
