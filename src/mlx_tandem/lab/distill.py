@@ -175,6 +175,8 @@ def distill(
         first=opts.first_prompt, seconds=opts.data_minutes * 60,
         progress=lambda n, made: say(f"corpus: {n} prompts answered (+{made} tokens)"),
     )
+    say(f"corpus: {len(samples)} answers to prompts {opts.first_prompt} .. {opts.prompts - 1} "
+        "of the order train this run")
     if len(samples) < 2:
         raise RuntimeError(f"the corpus at {corpus_path} has {len(samples)} answers; need >= 2")
     order = list(samples)
