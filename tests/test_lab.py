@@ -15,6 +15,7 @@ from mlx_tandem.lab import corpus as corpus_module
 from mlx_tandem.lab import distill as distill_module
 from mlx_tandem.lab.corpus import Sample, _whole_objects, build_corpus, read_corpus, split_prompts
 from mlx_tandem.lab.distill import DistillOptions, draft_vocabulary, new_assistant
+from mlx_tandem.lab.self_prompts import pre_query_ids, read_batches, self_prompts
 from mlx_tandem.lab.train import TrainConfig, Trainer, acceptance, batches, expected_tokens
 from mlx_tandem.models.assistant_folder import is_assistant_folder, load_assistant
 from mlx_tandem.models.loader import load_folder
@@ -235,3 +236,57 @@ def test_dataset_replies_need_sharegpt_pairs(tiny, tmp_path):
         distill_module.distill(model, tmp_path / "a", DistillOptions(dataset_replies=3),
                                prompts=["sun moon star"])
     assert not (tmp_path / "a" / "corpus.jsonl").exists()  # refused before any work
+
+
+def test_self_prompts_open_with_the_chat_templates_user_turn(tiny):
+    _, model = tiny
+    pre = pre_query_ids(model)
+    assert pre and model.encode("sun and moon")[: len(pre)] == pre  # the template up to the words
+    assert "sun" not in model.tokenizer.decode(pre)
+
+
+def test_self_prompts_are_seeded_resumable_and_skip_excluded(tiny, tmp_path):
+    _, model = tiny
+    kw = dict(seconds=600, batch=8, max_prompt_tokens=48)
+    whole = self_prompts(model, tmp_path / "a.jsonl", 10, seed=3, **kw)
+    assert len(whole) == 10 and len(set(whole)) == 10
+    assert self_prompts(model, tmp_path / "a.jsonl", 10, seed=3, seconds=0) == whole  # reused
+    # grown in two runs == drawn in one (each batch its own key)
+    first = self_prompts(model, tmp_path / "b.jsonl", 3, seed=3, **kw)
+    assert first == whole[:3] and len(read_batches(tmp_path / "b.jsonl")) < len(
+        read_batches(tmp_path / "a.jsonl"))
+    assert self_prompts(model, tmp_path / "b.jsonl", 10, seed=3, **kw) == whole
+    assert self_prompts(model, tmp_path / "c.jsonl", 10, seed=4, **kw) != whole
+    skipping = self_prompts(model, tmp_path / "a.jsonl", 10, seed=3,
+                            exclude=frozenset({whole[0]}), **kw)
+    assert whole[0] not in skipping and skipping[:9] == whole[1:]
+    assert self_prompts(model, tmp_path / "d.jsonl", 10, seed=3, seconds=0) == []  # no time
+
+
+def test_self_prompts_need_a_chat_template():
+    class NoTemplate:
+        name = "plain-lm"
+        tokenizer = type("T", (), {"has_chat_template": False})()
+
+    with pytest.raises(ValueError, match="plain-lm has none"):
+        pre_query_ids(NoTemplate())
+
+
+def test_tandem_distill_on_prompts_the_target_writes(tiny, tmp_path, monkeypatch, capsys):
+    folder, model = tiny
+    monkeypatch.setattr(distill_module, "mtbench_first_turns", lambda cache: [])
+    monkeypatch.setattr(distill_module, "sharegpt_pairs", lambda exclude: pytest.fail("ShareGPT"))
+    out = tmp_path / "self"
+    args = ["distill", "--target", str(folder), "--out", str(out), "--minutes", "0.05",
+            "--data-minutes", "1", "--prompts", "12", "--max-tokens", "8", "--layers", "1",
+            "--width", "32", "--intermediate", "64", "--vocab", "64", "--batch-tokens", "256",
+            "--seed", "5", "--max-steps", "2", "--prompt-source", "self"]
+    assert main([*args, "--dataset-replies", "4"]) == 2  # no replies to self-written prompts
+    assert "dataset_replies" in capsys.readouterr().err and not out.exists()
+    assert main(args) == 0
+    written = self_prompts(model, out / "prompts.jsonl", 12, seed=5, seconds=0)
+    assert len(written) == 12
+    assert [s.prompt for s in read_corpus(out / "corpus.jsonl")] == [
+        model.encode(p) for p in written]
+    assert json.loads((out / "config.json").read_text())["extra"]["options"][
+        "prompt_source"] == "self"

@@ -13,7 +13,7 @@ import shlex
 from pathlib import Path
 
 from mlx_tandem.cli.options import positive_float, positive_int
-from mlx_tandem.lab.distill import DistillOptions, default_folder, distill
+from mlx_tandem.lab.distill import PROMPT_SOURCES, DistillOptions, default_folder, distill
 from mlx_tandem.lab.train import TrainConfig
 from mlx_tandem.models.loader import load
 
@@ -40,7 +40,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-minutes", type=float, default=defaults.data_minutes,
                    help="time for answering more prompts this run (0: use the corpus as is)")
     p.add_argument("--prompts", type=positive_int, default=defaults.prompts,
-                   help="corpus size: ShareGPT prompts answered by the target (in a fixed order)")
+                   help="corpus size: prompts of --prompt-source answered by the target (in a fixed "
+                   "order)")
+    p.add_argument("--prompt-source", choices=PROMPT_SOURCES, default=defaults.prompt_source,
+                   help="sharegpt: ShareGPT's first human turns; self: user turns the target "
+                   "writes itself from its chat template (Magpie), sampled with --seed")
     p.add_argument("--first-prompt", type=int, default=defaults.first_prompt,
                    help="start the corpus at this prompt of the fixed order (continuing an "
                    "--init assistant on prompts it never saw)")
@@ -72,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
                         batch_tokens=args.batch_tokens, max_steps=args.max_steps)
     opts = DistillOptions(
         layers=args.layers, width=args.width, intermediate=args.intermediate, vocab=args.vocab,
-        prompts=args.prompts, first_prompt=args.first_prompt,
+        prompts=args.prompts, prompt_source=args.prompt_source, first_prompt=args.first_prompt,
         max_tokens=args.max_tokens, data_minutes=args.data_minutes,
         dataset_replies=args.dataset_replies, init=init,
         train=train, command="tandem " + shlex.join(args.argv),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -31,6 +32,7 @@ from mlx_tandem.lab.corpus import (
     sharegpt_pairs,
     split_prompts,
 )
+from mlx_tandem.lab.self_prompts import self_prompts
 from mlx_tandem.lab.train import TrainConfig, Trainer, acceptance, batches, expected_tokens
 from mlx_tandem.models.assistant import (
     FULL,
@@ -44,6 +46,7 @@ from mlx_tandem.models.catalogue import tandem_home
 from mlx_tandem.models.loader import LoadedModel
 
 FULL_VOCAB_BELOW = 0.995  # reply coverage under which training checks argmaxes on the full head
+PROMPT_SOURCES = ("sharegpt", "self")
 
 
 @dataclass
@@ -53,6 +56,7 @@ class DistillOptions:
     intermediate: int = 1024
     vocab: int = 8192
     prompts: int = 4000
+    prompt_source: str = "sharegpt"  # or "self": prompts the target writes (self_prompts.py)
     first_prompt: int = 0  # > 0: the corpus starts here (earlier prompts trained --init)
     max_tokens: int = 256
     data_minutes: float = 15.0
@@ -156,15 +160,26 @@ def distill(
     if not 0 <= opts.first_prompt < opts.prompts:
         raise ValueError(f"first prompt {opts.first_prompt} must be in 0 .. {opts.prompts - 1} "
                          f"(below --prompts {opts.prompts})")
-    if prompts is not None and opts.dataset_replies:
-        raise ValueError("dataset_replies needs ShareGPT's replies: leave `prompts` unset")
+    if opts.prompt_source not in PROMPT_SOURCES:
+        raise ValueError(f"prompt source {opts.prompt_source!r}: choose one of {PROMPT_SOURCES}")
+    if opts.dataset_replies and (prompts is not None or opts.prompt_source != "sharegpt"):
+        raise ValueError("dataset_replies needs ShareGPT's replies: leave `prompts` unset and "
+                         "the prompt source 'sharegpt'")
     # a bad --init fails before any work: no corpus answered, no folder written
     model = initial_assistant(target, opts.init) if opts.init is not None else None
     out.mkdir(parents=True, exist_ok=True)
     corpus_path = out / "corpus.jsonl"
     replies: dict[str, str] = {}
     extra: list[Sample] = []
-    if prompts is None:
+    data_start = time.perf_counter()
+    if prompts is None and opts.prompt_source == "self":
+        prompts = self_prompts(
+            target, out / "prompts.jsonl", opts.prompts, seed=opts.train.seed,
+            seconds=opts.data_minutes * 60,
+            exclude=frozenset(mtbench_first_turns(tandem_home() / "data")),
+            progress=lambda n: say(f"prompts: {n} written by the target"),
+        )
+    elif prompts is None:
         exclude = set(mtbench_first_turns(tandem_home() / "data"))
         pairs = sharegpt_pairs(exclude)
         replies = dict(pairs)
@@ -172,7 +187,8 @@ def distill(
     say(f"corpus: {len(read_corpus(corpus_path))} answers so far in {corpus_path}")
     samples = build_corpus(
         target, prompts, corpus_path, max_tokens=opts.max_tokens, answers=opts.prompts,
-        first=opts.first_prompt, seconds=opts.data_minutes * 60,
+        first=opts.first_prompt,
+        seconds=opts.data_minutes * 60 - (time.perf_counter() - data_start),
         progress=lambda n, made: say(f"corpus: {n} prompts answered (+{made} tokens)"),
     )
     say(f"corpus: {len(samples)} answers to prompts {opts.first_prompt} .. {opts.prompts - 1} "
