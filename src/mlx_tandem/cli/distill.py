@@ -22,7 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     defaults, train = DistillOptions(), TrainConfig()
     p = sub.add_parser(
         "distill",
-        help="train an assistant drafter for a target (its own answers to ShareGPT prompts)",
+        help="train an assistant drafter for a target (its own answers to ShareGPT prompts or "
+        "to prompts it writes)",
     )
     p.add_argument("--target", required=True, help="target model (folder, .gguf, catalogue name)")
     p.add_argument("--out", default=None, help="output folder (default: the assistants home, "
