@@ -39,7 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--minutes", type=positive_float, default=train.minutes,
                    help="training time (resumed runs count earlier time)")
     p.add_argument("--data-minutes", type=float, default=defaults.data_minutes,
-                   help="time for answering more prompts this run (0: use the corpus as is)")
+                   help="time for growing the corpus this run: writing prompts (--prompt-source "
+                   "self) and answering them (0: use the corpus as is)")
     p.add_argument("--prompts", type=positive_int, default=defaults.prompts,
                    help="corpus size: prompts of --prompt-source answered by the target (in a fixed "
                    "order)")
