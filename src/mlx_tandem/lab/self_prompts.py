@@ -70,7 +70,6 @@ def self_prompts(
     prompts exist, `seconds` pass, or a few times the batches `count` needs were drawn.
     """
     from mlx_lm.generate import batch_generate
-    from mlx_lm.sample_utils import make_sampler
 
     pre = pre_query_ids(target)
     done = read_batches(path)
@@ -84,10 +83,9 @@ def self_prompts(
             continue
         if time.perf_counter() - start > seconds:
             break
-        mx.random.seed(seed * 1_000_003 + i)  # this batch's own key: resumes draw the same
-        result = batch_generate(
+        result = batch_generate(  # this batch's own key: a resumed run draws the same
             target.model, target.tokenizer, [pre] * batch, max_tokens=max_prompt_tokens,
-            return_token_ids=True, sampler=make_sampler(temp=TEMPERATURE),
+            return_token_ids=True, sampler=keyed_sampler(mx.random.key(seed * 1_000_003 + i)),
         )
         texts = [target.tokenizer.decode(list(ids)).strip()
                  for ids in result.token_ids if 0 < len(ids) < max_prompt_tokens]
@@ -97,6 +95,17 @@ def self_prompts(
         if progress is not None:
             progress(len(_kept(done, exclude)))
     return _kept(done, exclude)[:count]
+
+
+def keyed_sampler(key: mx.array) -> Callable[[mx.array], mx.array]:
+    """Draws at TEMPERATURE from a key of its own (split per step), not MLX's global state."""
+    state = [key]
+
+    def sample(logprobs: mx.array) -> mx.array:
+        state[0], step = mx.random.split(state[0])
+        return mx.random.categorical(logprobs * (1 / TEMPERATURE), key=step)
+
+    return sample
 
 
 def _kept(done: dict[int, list[str]], exclude: frozenset[str]) -> list[str]:
