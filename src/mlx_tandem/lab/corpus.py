@@ -38,7 +38,7 @@ class Sample:
         return self.prompt + self.response
 
 
-def sharegpt_pairs(exclude: set[str] = frozenset()) -> list[tuple[str, str]]:
+def sharegpt_pairs(exclude: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
     """(first human turn, the first reply to it) of ShareGPT conversations, deduplicated by
     the prompt, in the file's order; the reply is "" where the conversation has none."""
     try:

@@ -172,18 +172,18 @@ def distill(
     replies: dict[str, str] = {}
     extra: list[Sample] = []
     data_start = time.perf_counter()
-    if prompts is None and opts.prompt_source == "self":
-        prompts = self_prompts(
-            target, out / "prompts.jsonl", opts.prompts, seed=opts.train.seed,
-            seconds=opts.data_minutes * 60,
-            exclude=frozenset(mtbench_first_turns(tandem_home() / "data")),
-            progress=lambda n: say(f"prompts: {n} written by the target"),
-        )
-    elif prompts is None:
-        exclude = set(mtbench_first_turns(tandem_home() / "data"))
-        pairs = sharegpt_pairs(exclude)
-        replies = dict(pairs)
-        prompts, _ = split_prompts([p for p, _ in pairs], opts.train.seed)
+    if prompts is None:  # never the benchmark's questions, whichever the source
+        exclude = frozenset(mtbench_first_turns(tandem_home() / "data"))
+        if opts.prompt_source == "self":
+            prompts = self_prompts(
+                target, out / "prompts.jsonl", opts.prompts, seed=opts.train.seed,
+                seconds=opts.data_minutes * 60, exclude=exclude,
+                progress=lambda n: say(f"prompts: {n} written by the target"),
+            )
+        else:
+            pairs = sharegpt_pairs(exclude)
+            replies = dict(pairs)
+            prompts, _ = split_prompts([p for p, _ in pairs], opts.train.seed)
     say(f"corpus: {len(read_corpus(corpus_path))} answers so far in {corpus_path}")
     samples = build_corpus(
         target, prompts, corpus_path, max_tokens=opts.max_tokens, answers=opts.prompts,
