@@ -33,7 +33,7 @@ import time
 from common import machine_line
 
 from mlx_tandem import SamplingParams
-from mlx_tandem.drafters.factory import build_depth, build_drafter
+from mlx_tandem.drafters.factory import LOOKUP_FIRST, build_depth, build_drafter
 from mlx_tandem.engine.config import RuntimeConfig
 from mlx_tandem.engine.core import EngineCore
 from mlx_tandem.lab.corpus import mtbench_first_turns
@@ -81,7 +81,7 @@ def tandem(model, prompts, n, rows, drafter=None, depth=None, alone=False, tempe
 
 def spec_line(engine: EngineCore) -> dict:
     s = engine.stats
-    name = "assistant"
+    name = engine.drafter.name
     return {
         "acceptance": round(s.acceptance(name), 3),
         "position_acceptance": [round(a, 3) for a in s.position_acceptance(name)],
@@ -91,10 +91,16 @@ def spec_line(engine: EngineCore) -> dict:
     }
 
 
+def with_mode(spec: str, mode: str) -> str:
+    """'assistant+ngram', 'sample' -> 'assistant:sample+ngram'."""
+    inner = spec.removesuffix(LOOKUP_FIRST)
+    return f"{inner.partition(':')[0]}:{mode}{spec[len(inner):]}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--draft-model", default="assistant")
+    ap.add_argument("--draft-model", default="assistant", help="also: assistant+ngram")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--depth", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=80, help="MT-Bench prompts for B = 4, 16")
@@ -110,7 +116,7 @@ def main() -> None:
     questions = mtbench_first_turns(tandem_home() / "data")[: args.prompts]
     prompts = [model.encode(q) for q in questions]
     results: dict = {"model": args.model, "tokens": args.tokens, "depth": args.depth}
-    print(machine_line(f"assistant drafter, {args.model}, MT-Bench first turns, greedy"))
+    print(machine_line(f"{args.draft_model} drafter, {args.model}, MT-Bench first turns, greedy"))
 
     def drafter():
         return build_drafter(args.draft_model, model, config)
@@ -148,7 +154,7 @@ def main() -> None:
         T, row = args.temperature, {}
         s_pl, n_pl, plain, _ = tandem(model, b1, args.tokens, 1, alone=True, temperature=T)
         for mode in ("greedy", "sample"):
-            spec = f"{args.draft_model.partition(':')[0]}:{mode}"
+            spec = with_mode(args.draft_model, mode)
             s_m, n_m, out, eng = tandem(model, b1, args.tokens, 1,
                                         build_drafter(spec, model, config),
                                         build_depth("fixed", args.depth), alone=True,

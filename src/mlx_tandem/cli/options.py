@@ -158,7 +158,9 @@ def add_draft_flags(p: argparse.ArgumentParser) -> None:
         "sharing the target's tokenizer, 'ngram' for prompt lookup, 'mtp' for the target "
         "checkpoint's own MTP layer (Qwen3-Next / Qwen3.5), or 'assistant' "
         "(the target's assistant drafter, shipped or from `tandem distill`; "
-        "'assistant:sample' drafts sampled rows stochastically), or an assistant folder",
+        "'assistant:sample' drafts sampled rows stochastically), or an assistant folder; "
+        "'SPEC+ngram' (e.g. 'assistant+ngram') drafts by prompt lookup where a row's text "
+        "recurs and by SPEC elsewhere",
     )
     p.add_argument(
         "--num-draft-tokens",

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from mlx_tandem.drafters.assistant import MODES, AssistantSource
 from mlx_tandem.drafters.draft_model import DraftModelSource, check_compatible
+from mlx_tandem.drafters.lookup_first import LookupFirstSource
 from mlx_tandem.drafters.prompt_lookup import PromptLookupSource
 from mlx_tandem.engine.config import RuntimeConfig
 from mlx_tandem.engine.depth import AdaptiveDepth, DepthPolicy, FixedDepth
@@ -22,6 +23,7 @@ from mlx_tandem.models.loader import LoadedModel, load
 SHIPPED = Path(__file__).resolve().parents[1] / "assistants"
 
 DEPTHS = ("fixed", "adaptive")
+LOOKUP_FIRST = "+ngram"
 
 
 def build_drafter(
@@ -29,9 +31,15 @@ def build_drafter(
 ) -> DraftSource:
     """'ngram' -> prompt lookup; 'mtp' -> the target checkpoint's MTP layer;
     'assistant[:MODE]' -> the target's assistant (shipped or trained here); an assistant
-    folder[:MODE]; anything else is a draft model (folder, .gguf, catalogue name)."""
+    folder[:MODE]; anything else is a draft model (folder, .gguf, catalogue name).
+    'SPEC+ngram': prompt lookup where a row's text recurs, SPEC's drafter elsewhere."""
     if spec == "ngram":
         return PromptLookupSource()
+    if spec.endswith(LOOKUP_FIRST):
+        inner = spec[: -len(LOOKUP_FIRST)]
+        if inner in ("", "ngram"):
+            raise ValueError(f"{spec!r}: name a model drafter before '+ngram' (assistant+ngram)")
+        return LookupFirstSource(build_drafter(inner, target, config, dtype))
     if spec == "mtp":  # the target checkpoint's own multi-token-prediction layer
         from mlx_tandem.drafters.mtp import MTPSource
 
