@@ -188,3 +188,19 @@ def test_cli_generate_with_the_shipped_assistant(capsys):
                  "--max-tokens", "32", "--draft-model", "assistant", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["speculative"]["accepted"] > 0
+
+
+def test_lookup_first_with_the_shipped_assistant_is_lossless_on_smollm2(smollm2, alone,
+                                                                         plain_sampled):
+    """`assistant+ngram`: greedy rows token-identical to plain (batched, joining each step),
+    and seeded sampled rows to plain sampling under adaptive depth."""
+    from mlx_tandem.drafters.factory import build_drafter
+
+    prompts, expected = alone
+    got, engine = _run(smollm2, prompts, build_drafter("assistant+ngram", smollm2, CFG))
+    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+        if _params(i).greedy:
+            assert g == e, QUESTIONS[i]
+    assert engine.stats.acceptance("assistant+ngram") > 0.1
+    prompts, plain = plain_sampled
+    assert _run_sampled(smollm2, prompts, build_drafter("assistant+ngram", smollm2, CFG)) == plain
