@@ -96,16 +96,41 @@ def test_greedy_speculation_equals_plain(pair, k, max_rows):
     assert 0.2 < engine.stats.acceptance("assistant+ngram") < 1.0  # a real accept/reject mix
 
 
-def test_seeded_sampling_equals_plain_sampling(pair):
+class OneHotQ(LookupFirstSource):
+    """Negative control: lookup's drafts handed to the rejection rule as one-hot q (exact in
+    distribution, but not the keyed sample's tokens)."""
+
+    def __init__(self, inner, vocab: int) -> None:
+        super().__init__(inner)
+        self.vocab = vocab
+
+    def draft(self, requests, depths, target):
+        out = super().draft(requests, depths, target)
+        q = [mx.eye(self.vocab)[mx.array(t)] if t and q is None else q
+             for t, q in zip(out.tokens, out.q, strict=True)]
+        return Drafts(out.tokens, q)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_seeded_sampling_equals_plain_sampling(pair, adaptive):
     """Greedy inner drafts and lookup's are deterministic: each slot is verified by the
-    position's own keyed sample, so a seeded row is plain sampling's, under adaptive depth."""
+    position's own keyed sample, so a seeded row is plain sampling's, at a fixed depth and
+    under adaptive depth. Prompts end in a pair they began with: lookup drafts the first
+    step (at a fixed depth; adaptive depth may start plain)."""
     target, folder = pair
-    prompts = prompts_of(target, 6, seed=26)
+    prompts = [p + p[:2] for p in prompts_of(target, 6, seed=26)]
     params = [SamplingParams(max_tokens=14, temperature=0.7, seed=90 + i)
               for i in range(len(prompts))]
     plain, _ = engine_run(target, prompts, params, None, None)
-    got, engine = engine_run(target, prompts, params, composite(target, folder), AdaptiveDepth(4))
+    seen = Recorded(source := composite(target, folder))
+    got, engine = engine_run(target, prompts, params, source,
+                             AdaptiveDepth(4) if adaptive else FixedDepth(3))
     assert engine.stats.drafted["assistant+ngram"] > 0
+    if not adaptive:
+        assert seen.lookup_rows > 0 and seen.inner_rows > 0
+        control = OneHotQ(AssistantSource(load_assistant(folder), target),
+                          target.graph.vocab_size)
+        assert engine_run(target, prompts, params, control, FixedDepth(3))[0] != plain
     assert got == plain
 
 
