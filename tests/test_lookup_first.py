@@ -97,8 +97,8 @@ def test_greedy_speculation_equals_plain(pair, k, max_rows):
 
 
 class OneHotQ(LookupFirstSource):
-    """Negative control: lookup's drafts handed to the rejection rule as one-hot q (exact in
-    distribution, but not the keyed sample's tokens)."""
+    """Negative control: deterministic drafts (lookup's, the greedy assistant's) handed to
+    the rejection rule as one-hot q (exact in distribution, not the keyed sample's tokens)."""
 
     def __init__(self, inner, vocab: int) -> None:
         super().__init__(inner)

@@ -14,8 +14,8 @@ proposals never depend on its neighbours; lookup's proposals are deterministic
 plain sampling with that seed.
 
 Oracle: tests/test_lookup_first.py (greedy and seeded sampled output == plain,
-rows joining and leaving — lookup's drafts handed over as one-hot q break the
-latter; a row with a match drafts lookup's tokens, one without the inner
+rows joining and leaving — deterministic drafts handed over as one-hot q break
+the latter; a row with a match drafts lookup's tokens, one without the inner
 drafter's; the chi-square test in sampled mode).
 """
 
