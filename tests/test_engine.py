@@ -272,3 +272,53 @@ def test_compiled_rows_decode_equals_the_eager_forward(tiny_model, arch):
     assert runner._decode_step(states[0]) is not None  # the compiled step really ran
     assert eager._decode_step(states[1]) is None
     assert loose_differs
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_compiled_verify_blocks_equal_the_eager_forward(tiny_model, arch, monkeypatch):
+    """Verify blocks whose rows all bring the same number of tokens run the compiled
+    segments too, one trace per (rows, tokens), and give every slot the eager forward's
+    bits; ragged blocks stay eager. Each block is rewound after it, as a rejected draft is.
+    Negative control: the forward without batch invariance differs."""
+    from mlx_tandem.engine.compiled_step import CompiledStep
+
+    shapes: list[tuple[int, int]] = []
+    call = CompiledStep.__call__
+
+    def counted(self, ids, caches):
+        shapes.append(tuple(ids.shape))
+        return call(self, ids, caches)
+
+    monkeypatch.setattr(CompiledStep, "__call__", counted)
+    m = tiny_model(arch)
+    runners = (ModelRunner(m), ModelRunner(m, compiled=False), ModelRunner(m, batch_invariant=False))
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in (3, 70, 250)]
+    states = []
+    for r in runners:
+        parts = []
+        for p in prompts:
+            rows = r.blank_rows(1)
+            r.prefill(rows, p, 64)
+            parts.append(rows)
+        rows = r.empty_rows()
+        rows.prepare_append(parts).commit()
+        states.append(rows)
+    loose_differs = False
+    for step, (width, lengths) in enumerate(
+        [(4, None), (2, None), (4, [4, 2, 1]), (7, None), (4, None), (1, None)] * 2
+    ):
+        ids = mx.array([[rng.randrange(3, 250) for _ in range(width)] for _ in prompts])
+        ends = states[0].ends
+        h = [r.forward(s, ids, lengths) for r, s in zip(runners, states, strict=True)]
+        mx.eval(h, *(a for s in states for a in s.arrays()))
+        real = lengths or [width] * len(prompts)
+        for i, n in enumerate(real):
+            assert mx.array_equal(h[0][i, :n], h[1][i, :n]).item(), f"block {step}, row {i}"
+            loose_differs |= not mx.array_equal(h[0][i, :n], h[2][i, :n]).item()
+        keep = [e + rng.randrange(0, n + 1) for e, n in zip(ends, real, strict=True)]
+        for s in states:  # a verify keeps an accepted prefix of each row's block
+            s.set_ends(keep)
+    assert {(3, 4), (3, 2), (3, 7), (3, 1)} <= set(shapes)
+    assert len(shapes) == 10  # the ragged blocks ran eager
+    assert loose_differs

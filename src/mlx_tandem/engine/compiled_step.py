@@ -1,10 +1,10 @@
-"""Compiled one-token decode step, for the plain path and the rows engine's decode forward.
+"""Compiled decode step, for the plain path and the rows engine's decode and verify forwards.
 
 A decode step is split at each layer's cache write + attention (whose shapes grow
 every step, so they stay eager, run by mlx-lm's own cache and SDPA code); everything
 between two attentions (o-projection, residuals, norms, MLP, the next layer's
-norm, q/k/v projections and RoPE) has fixed shapes for a one-token step and runs as
-one `mx.compile`d segment. Same primitives, same order: compiling only fuses the
+norm, q/k/v projections and RoPE) has fixed shapes for a given (rows, tokens) and runs
+as one `mx.compile`d segment. Same primitives, same order: compiling only fuses the
 element-wise ones, and the tests check the result is bit-identical to mlx-lm.
 
 Families with a known layer layout only (mlx-lm's llama and gemma3_text) and mlx-lm's
@@ -13,15 +13,17 @@ segments hold the model's weights as traced constants: build one per generation.
 
 `rows=True` is the rows engine's form (engine/runner.py): the row-stable model copy, its
 row caches (kv/row_cache.RowKVCache, per-row offsets) and their batch-invariant
-`attend` between the segments; it returns the final hidden (B, 1, D) and leaves the head
+`attend` between the segments; it returns the final hidden (B, L, D) and leaves the head
 to the runner. The segments trace the planned projections as they run outside a row's
-own prefill chunk, with no ragged slots: the runner calls it only for one-token decode
-forwards, where that is what the eager forward runs. One trace per batch size.
+own prefill chunk, with no ragged slots: the runner calls it only for decode forwards
+whose rows all bring L tokens (one-token steps, equal-depth verify blocks), where that
+is what the eager forward runs. One trace per (B, L).
 
 Oracle: tests/test_generate_parity.py (compiled vs eager vs mlx-lm `generate_step`,
 tokens and logprobs bit-identical on tiny llama / gemma3), tests/test_real_models.py::
 test_plain_path_is_bit_identical_to_mlx_lm (real SmolLM2); for rows,
-tests/test_engine.py::test_compiled_rows_decode_equals_the_eager_forward.
+tests/test_engine.py::test_compiled_rows_decode_equals_the_eager_forward and
+::test_compiled_verify_blocks_equal_the_eager_forward.
 """
 
 from __future__ import annotations

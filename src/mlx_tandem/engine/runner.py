@@ -6,9 +6,10 @@ Two kinds of forward, and nothing else touches the model:
     is the same whatever else is running);
   * `forward(rows, ids, lengths)`: every row of the cohort, L tokens each
     (ragged rows right-padded).
-A one-token decode forward (no drafts, no prefill) runs as compiled segments between
-the attentions where the family is covered (engine/compiled_step.py, `rows=True`): the
-same planned projections and row-cache attention, with element-wise primitives fused.
+A decode forward whose rows all bring the same number of tokens (one-token steps, and
+verify blocks of equal depths) runs as compiled segments between the attentions where
+the family is covered (engine/compiled_step.py, `rows=True`): the same planned
+projections and row-cache attention, with element-wise primitives fused.
 Both run a row-stable copy of the model (models/invariance.row_stable: every
 projection follows its probed RowPlan; `prefill` chunks use block arithmetic,
 fixed by the row's own chunk boundaries) and
@@ -71,7 +72,7 @@ class ModelRunner:
         self.pack_unit = 0  # prompts prefilled together: packed calls, at offsets of this unit
         self.row_quantum = 0  # most rows one projection call of a forward takes (0: any)
         self._last_ragged: tuple[tuple | None, Ragged | None] = (None, None)
-        # the compiled one-token forward: True until built, then it or False (not covered)
+        # the compiled decode forward: True until built, then it or False (not covered)
         self._decode: CompiledStep | bool = compiled and batch_invariant
         # greedy picks from one fast head call (models/certified_head.py), where the head's
         # plan would not make that call as it is
@@ -204,7 +205,7 @@ class ModelRunner:
         if ragged and not prefill:  # verify blocks: projections run the real slots only
             self.block.ragged = self._ragged(lengths, L)
         try:
-            step = None if prefill or ragged or L != 1 else self._decode_step(rows)
+            step = None if prefill or ragged else self._decode_step(rows)
             hidden = (step or self.graph.forward_hidden)(ids, rows.layers)
         finally:
             self.block.recurrence = self.block.packed = False
@@ -215,7 +216,7 @@ class ModelRunner:
         return hidden
 
     def _decode_step(self, rows: StateRows) -> CompiledStep | None:
-        """The compiled one-token forward, built on first use (None: not covered)."""
+        """The compiled decode forward, built on first use (None: not covered)."""
         if self._decode is True:
             self._decode = compiled_step(self.graph, rows.layers, rows=True) or False
         return self._decode if isinstance(self._decode, CompiledStep) else None
