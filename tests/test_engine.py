@@ -276,18 +276,18 @@ def test_compiled_rows_decode_equals_the_eager_forward(tiny_model, arch):
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
 def test_compiled_verify_blocks_equal_the_eager_forward(tiny_model, arch, monkeypatch):
-    """Verify blocks whose rows all bring the same number of tokens run the compiled
-    segments too, one trace per (rows, tokens), and give every slot the eager forward's
-    bits; ragged blocks stay eager. Each block is rewound after it, as a rejected draft is.
-    Negative control: the forward without batch invariance differs."""
+    """Verify blocks run the compiled segments too — equal depths and ragged ones (rows
+    drafting different depths: the real slots' indices are the ragged segments' inputs) —
+    and give every real slot the eager forward's bits. Each block is rewound after it, as
+    a rejected draft is. Negative control: the forward without batch invariance differs."""
     from mlx_tandem.engine.compiled_step import CompiledStep
 
     shapes: list[tuple[int, int]] = []
     call = CompiledStep.__call__
 
-    def counted(self, ids, caches):
-        shapes.append(tuple(ids.shape))
-        return call(self, ids, caches)
+    def counted(self, ids, caches, ragged=None):
+        shapes.append((*ids.shape, None if ragged is None else int(ragged.take.shape[0])))
+        return call(self, ids, caches, ragged)
 
     monkeypatch.setattr(CompiledStep, "__call__", counted)
     m = tiny_model(arch)
@@ -306,7 +306,7 @@ def test_compiled_verify_blocks_equal_the_eager_forward(tiny_model, arch, monkey
         states.append(rows)
     loose_differs = False
     for step, (width, lengths) in enumerate(
-        [(4, None), (2, None), (4, [4, 2, 1]), (7, None), (4, None), (1, None)] * 2
+        [(4, None), (2, None), (4, [4, 2, 1]), (7, None), (4, [1, 4, 3]), (1, None)] * 2
     ):
         ids = mx.array([[rng.randrange(3, 250) for _ in range(width)] for _ in prompts])
         ends = states[0].ends
@@ -319,6 +319,7 @@ def test_compiled_verify_blocks_equal_the_eager_forward(tiny_model, arch, monkey
         keep = [e + rng.randrange(0, n + 1) for e, n in zip(ends, real, strict=True)]
         for s in states:  # a verify keeps an accepted prefix of each row's block
             s.set_ends(keep)
-    assert {(3, 4), (3, 2), (3, 7), (3, 1)} <= set(shapes)
-    assert len(shapes) == 10  # the ragged blocks ran eager
+    assert set(shapes) == {(3, 4, None), (3, 2, None), (3, 4, 7), (3, 7, None), (3, 4, 8),
+                           (3, 1, None)}
+    assert len(shapes) == 12
     assert loose_differs

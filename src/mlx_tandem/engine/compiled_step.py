@@ -11,13 +11,15 @@ Families with a known layer layout only (mlx-lm's llama and gemma3_text) and mlx
 own KV caches; anything else gets `None` and the caller keeps the eager step. The
 segments hold the model's weights as traced constants: build one per generation.
 
-`rows=True` is the rows engine's form (engine/runner.py): the row-stable model copy, its
-row caches (kv/row_cache.RowKVCache, per-row offsets) and their batch-invariant
-`attend` between the segments; it returns the final hidden (B, L, D) and leaves the head
-to the runner. The segments trace the planned projections as they run outside a row's
-own prefill chunk, with no ragged slots: the runner calls it only for decode forwards
-whose rows all bring L tokens (one-token steps, equal-depth verify blocks), where that
-is what the eager forward runs. One trace per (B, L).
+With a `block` (kv/attention.BlockMode), the rows engine's form (engine/runner.py): the
+row-stable model copy, its row caches (kv/row_cache.RowKVCache, per-row offsets) and
+their batch-invariant `attend` between the segments; it returns the final hidden
+(B, L, D) and leaves the head to the runner. The segments trace the planned projections
+as they run outside a row's own prefill chunk: every decode and verify forward (not
+prefill). A ragged verify block (rows drafting different depths) runs a second set of
+segments that take the real slots' indices (kv/attention.Ragged) as inputs, set on the
+block while they trace, so the projections run the real slots only, as in the eager
+forward. One trace per (B, L) and, ragged, per count of real slots.
 
 Oracle: tests/test_generate_parity.py (compiled vs eager vs mlx-lm `generate_step`,
 tokens and logprobs bit-identical on tiny llama / gemma3), tests/test_real_models.py::
@@ -37,6 +39,7 @@ from mlx_lm.models import gemma3_text, llama
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from mlx_tandem.kv.attention import BlockMode, Ragged
 from mlx_tandem.kv.row_cache import RowKVCache
 from mlx_tandem.models.graph import MlxLmGraph
 
@@ -75,13 +78,15 @@ def _post_gemma3(layer: nn.Module, x: mx.array, o: mx.array) -> mx.array:
 
 class CompiledStep:
     """`step(ids (1, 1), caches) -> logits (1, V)`: one token through the model; with
-    `rows`, `step(ids (B, 1), row caches) -> hidden (B, 1, D)`."""
+    `block` (the rows engine's), `step(ids (B, L), row caches, ragged) -> hidden (B, L, D)`."""
 
-    def __init__(self, graph: MlxLmGraph, backbone: nn.Module, kind: str, rows: bool = False):
+    def __init__(
+        self, graph: MlxLmGraph, backbone: nn.Module, kind: str, block: BlockMode | None = None
+    ):
         self.graph = graph
         self.backbone = backbone
         self.kind = kind
-        self.rows = rows
+        self.rows = rows = block is not None
         layers = backbone.layers
         norms = kind == "gemma3"
         post = _post_gemma3 if norms else _post_llama
@@ -102,9 +107,12 @@ class CompiledStep:
             hidden = backbone.norm(post(layers[-1], x, o))
             return hidden if rows else graph.project_logits(hidden, "last")[:, -1, :]
 
-        self.segments: list[Segment] = [mx.compile(first)]
-        self.segments += [mx.compile(between(i)) for i in range(len(layers) - 1)]
-        self.segments.append(mx.compile(last))
+        plain: list[Segment] = [first, *(between(i) for i in range(len(layers) - 1)), last]
+        self.segments: list[Segment] = [mx.compile(f) for f in plain]
+        # ragged verify blocks: the same segments, the real slots' indices as inputs
+        self.ragged_segments: list[Segment] = (
+            [mx.compile(_with_ragged(f, block)) for f in plain] if block is not None else []
+        )
 
     def _masks(self, h: mx.array, caches: list[Any]) -> list[Any]:
         bb = self.backbone
@@ -123,9 +131,12 @@ class CompiledStep:
         )
         return [local if layer.use_sliding else full for layer in bb.layers]
 
-    def __call__(self, ids: mx.array, caches: list[Any]) -> mx.array:
+    def __call__(self, ids: mx.array, caches: list[Any], ragged: Ragged | None = None) -> mx.array:
         offset = caches[0].offset if self.rows else mx.array(caches[0].offset, dtype=mx.int32)
-        x, q, k, v = self.segments[0](ids, offset)
+        segments, extra = self.segments, ()
+        if ragged is not None:
+            segments, extra = self.ragged_segments, (ragged.take, ragged.back)
+        x, q, k, v = segments[0](ids, offset, *extra)
         masks = self._masks(x, caches)
         for i, (layer, cache) in enumerate(zip(self.backbone.layers, caches, strict=True)):
             keys, values = cache.update_and_fetch(k, v)
@@ -137,16 +148,34 @@ class CompiledStep:
                     q, keys, values, cache=cache, scale=scale, mask=masks[i]
                 )
             if i + 1 < len(caches):
-                x, q, k, v = self.segments[i + 1](x, o, offset)
+                x, q, k, v = segments[i + 1](x, o, offset, *extra)
             else:
-                return self.segments[-1](x, o)
+                return segments[-1](x, o, *extra)
         raise AssertionError("a model without layers")
 
 
-def compiled_step(graph: MlxLmGraph, caches: list[Any], rows: bool = False) -> CompiledStep | None:
+def _with_ragged(fn: Segment, block: BlockMode) -> Segment:
+    """fn with two trailing inputs, a Ragged's take and back, set as the block's ragged
+    slots while it traces (the planned projections read them; kv/attention.Ragged)."""
+
+    def seg(*args: mx.array) -> Any:
+        *inputs, take, back = args
+        saved, block.ragged = block.ragged, Ragged(take, back, back.shape[0])
+        try:
+            return fn(*inputs)
+        finally:
+            block.ragged = saved
+
+    return seg
+
+
+def compiled_step(
+    graph: MlxLmGraph, caches: list[Any], block: BlockMode | None = None
+) -> CompiledStep | None:
     """A compiled decode step for this model and caches, or None if not covered
     (another family, or caches other than mlx-lm's plain and rotating KV caches, or with
-    `rows` than row KV caches)."""
+    `block` than row KV caches)."""
+    rows = block is not None
     backbone = graph.backbone
     layers = getattr(backbone, "layers", None)
     if not layers or len(caches) != len(layers):
@@ -157,9 +186,9 @@ def compiled_step(graph: MlxLmGraph, caches: list[Any], rows: bool = False) -> C
     if isinstance(backbone, llama.LlamaModel) and all(
         type(layer) is llama.TransformerBlock for layer in layers
     ):
-        return CompiledStep(graph, backbone, "llama", rows)
+        return CompiledStep(graph, backbone, "llama", block)
     if isinstance(backbone, gemma3_text.Gemma3Model) and all(
         type(layer) is gemma3_text.TransformerBlock for layer in layers
     ):
-        return CompiledStep(graph, backbone, "gemma3", rows)
+        return CompiledStep(graph, backbone, "gemma3", block)
     return None

@@ -6,10 +6,10 @@ Two kinds of forward, and nothing else touches the model:
     is the same whatever else is running);
   * `forward(rows, ids, lengths)`: every row of the cohort, L tokens each
     (ragged rows right-padded).
-A decode forward whose rows all bring the same number of tokens (one-token steps, and
-verify blocks of equal depths) runs as compiled segments between the attentions where
-the family is covered (engine/compiled_step.py, `rows=True`): the same planned
-projections and row-cache attention, with element-wise primitives fused.
+A decode or verify forward (not prefill) runs as compiled segments between the
+attentions where the family is covered (engine/compiled_step.py, with the runner's
+BlockMode; ragged blocks hand it their real slots): the same planned projections and
+row-cache attention, with element-wise primitives fused.
 Both run a row-stable copy of the model (models/invariance.row_stable: every
 projection follows its probed RowPlan; `prefill` chunks use block arithmetic,
 fixed by the row's own chunk boundaries) and
@@ -205,8 +205,11 @@ class ModelRunner:
         if ragged and not prefill:  # verify blocks: projections run the real slots only
             self.block.ragged = self._ragged(lengths, L)
         try:
-            step = None if prefill or ragged else self._decode_step(rows)
-            hidden = (step or self.graph.forward_hidden)(ids, rows.layers)
+            step = None if prefill else self._decode_step(rows)
+            if step is None:
+                hidden = self.graph.forward_hidden(ids, rows.layers)
+            else:
+                hidden = step(ids, rows.layers, self.block.ragged)
         finally:
             self.block.recurrence = self.block.packed = False
             self.block.ragged = None
@@ -218,7 +221,7 @@ class ModelRunner:
     def _decode_step(self, rows: StateRows) -> CompiledStep | None:
         """The compiled decode forward, built on first use (None: not covered)."""
         if self._decode is True:
-            self._decode = compiled_step(self.graph, rows.layers, rows=True) or False
+            self._decode = compiled_step(self.graph, rows.layers, self.block) or False
         return self._decode if isinstance(self._decode, CompiledStep) else None
 
     def logits(
