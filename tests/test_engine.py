@@ -239,6 +239,18 @@ def test_short_prompts_arriving_at_an_idle_engine_are_prefilled_in_one_forward(t
         assert handle.result().tokens == run_alone(m, p, params, cfg)
 
 
+def cohort_of(runner, prompts):
+    """The runner's rows for these prompts, each prefilled alone in chunks of 64."""
+    parts = []
+    for p in prompts:
+        rows = runner.blank_rows(1)
+        runner.prefill(rows, p, 64)
+        parts.append(rows)
+    rows = runner.empty_rows()
+    rows.prepare_append(parts).commit()
+    return rows
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
 def test_compiled_rows_decode_equals_the_eager_forward(tiny_model, arch):
     """The runner's one-token forward runs compiled segments (engine/compiled_step.py) and
@@ -251,16 +263,7 @@ def test_compiled_rows_decode_equals_the_eager_forward(tiny_model, arch):
     loose = ModelRunner(m, batch_invariant=False)
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in (5, 40, 236)]
-    states = []
-    for r in (runner, eager, loose):
-        parts = []
-        for p in prompts:
-            rows = r.blank_rows(1)
-            r.prefill(rows, p, 64)
-            parts.append(rows)
-        rows = r.empty_rows()
-        rows.prepare_append(parts).commit()
-        states.append(rows)
+    states = [cohort_of(r, prompts) for r in (runner, eager, loose)]
     ids = mx.array([[p[-1]] for p in prompts], dtype=mx.int32)
     loose_differs = False
     for step in range(30):  # the longest row crosses a page of columns (256)
@@ -294,16 +297,7 @@ def test_compiled_verify_blocks_equal_the_eager_forward(tiny_model, arch, monkey
     runners = (ModelRunner(m), ModelRunner(m, compiled=False), ModelRunner(m, batch_invariant=False))
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in (3, 70, 250)]
-    states = []
-    for r in runners:
-        parts = []
-        for p in prompts:
-            rows = r.blank_rows(1)
-            r.prefill(rows, p, 64)
-            parts.append(rows)
-        rows = r.empty_rows()
-        rows.prepare_append(parts).commit()
-        states.append(rows)
+    states = [cohort_of(r, prompts) for r in runners]
     loose_differs = False
     for step, (width, lengths) in enumerate(
         [(4, None), (2, None), (4, [4, 2, 1]), (7, None), (4, [1, 4, 3]), (1, None)] * 2
