@@ -282,8 +282,13 @@ def test_compiled_verify_blocks_equal_the_eager_forward(tiny_model, arch, monkey
     """Verify blocks run the compiled segments too — equal depths and ragged ones (rows
     drafting different depths: the real slots' indices are the ragged segments' inputs) —
     and give every real slot the eager forward's bits. Each block is rewound after it, as
-    a rejected draft is. Negative control: the forward without batch invariance differs."""
+    a rejected draft is. Traces are bounded: past TRACED_SHAPES (3 here) a segment set is
+    compiled anew, with the same bits. Negative control: the forward without batch
+    invariance differs."""
+    from mlx_tandem.engine import compiled_step
     from mlx_tandem.engine.compiled_step import CompiledStep
+
+    monkeypatch.setattr(compiled_step, "TRACED_SHAPES", 3)
 
     shapes: list[tuple[int, int]] = []
     call = CompiledStep.__call__
@@ -316,4 +321,6 @@ def test_compiled_verify_blocks_equal_the_eager_forward(tiny_model, arch, monkey
     assert set(shapes) == {(3, 4, None), (3, 2, None), (3, 4, 7), (3, 7, None), (3, 4, 8),
                            (3, 1, None)}
     assert len(shapes) == 12
+    traced = runners[0]._decode._sets
+    assert len(traced[False].shapes) <= 3 and len(traced[True].shapes) == 2
     assert loose_differs

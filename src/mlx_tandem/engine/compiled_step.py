@@ -19,7 +19,9 @@ as they run outside a row's own prefill chunk: every decode and verify forward (
 prefill). A ragged verify block (rows drafting different depths) runs a second set of
 segments that take the real slots' indices (kv/attention.Ragged) as inputs, set on the
 block while they trace, so the projections run the real slots only, as in the eager
-forward. One trace per (B, L) and, ragged, per count of real slots.
+forward. One trace per (B, L) and, ragged, per count of real slots; a set holds at most
+TRACED_SHAPES of them (mx.compile keeps every trace while its function lives), then is
+compiled anew.
 
 Oracle: tests/test_generate_parity.py (compiled vs eager vs mlx-lm `generate_step`,
 tokens and logprobs bit-identical on tiny llama / gemma3), tests/test_real_models.py::
@@ -44,6 +46,7 @@ from mlx_tandem.kv.row_cache import RowKVCache
 from mlx_tandem.models.graph import MlxLmGraph
 
 Segment = Callable[..., Any]
+TRACED_SHAPES = 64  # traces kept per segment set (~1.3 MB each for SmolLM2); then rebuilt
 
 
 def _qkv(attn: nn.Module, x: mx.array, norms: bool) -> tuple[mx.array, mx.array, mx.array]:
@@ -108,11 +111,9 @@ class CompiledStep:
             return hidden if rows else graph.project_logits(hidden, "last")[:, -1, :]
 
         plain: list[Segment] = [first, *(between(i) for i in range(len(layers) - 1)), last]
-        self.segments: list[Segment] = [mx.compile(f) for f in plain]
         # ragged verify blocks: the same segments, the real slots' indices as inputs
-        self.ragged_segments: list[Segment] = (
-            [mx.compile(_with_ragged(f, block)) for f in plain] if block is not None else []
-        )
+        ragged = [_with_ragged(f, block) for f in plain] if block is not None else []
+        self._sets = {False: _Traced(plain), True: _Traced(ragged)}
 
     def _masks(self, h: mx.array, caches: list[Any]) -> list[Any]:
         bb = self.backbone
@@ -133,9 +134,8 @@ class CompiledStep:
 
     def __call__(self, ids: mx.array, caches: list[Any], ragged: Ragged | None = None) -> mx.array:
         offset = caches[0].offset if self.rows else mx.array(caches[0].offset, dtype=mx.int32)
-        segments, extra = self.segments, ()
-        if ragged is not None:
-            segments, extra = self.ragged_segments, (ragged.take, ragged.back)
+        extra = () if ragged is None else (ragged.take, ragged.back)
+        segments = self._sets[ragged is not None].segments(ids.shape, *(a.shape for a in extra))
         x, q, k, v = segments[0](ids, offset, *extra)
         masks = self._masks(x, caches)
         for i, (layer, cache) in enumerate(zip(self.backbone.layers, caches, strict=True)):
@@ -152,6 +152,30 @@ class CompiledStep:
             else:
                 return segments[-1](x, o, *extra)
         raise AssertionError("a model without layers")
+
+
+class _Traced:
+    """A set of compiled segments and the input shapes traced for it. mx.compile keeps
+    every trace while its function lives, one per shape; a rows engine meets many shapes
+    (rows x tokens, ragged: x real slots), so past TRACED_SHAPES the set is compiled anew
+    (dropping its traces; re-tracing one costs ~10-15 ms here)."""
+
+    def __init__(self, fns: list[Segment]) -> None:
+        self.fns = fns
+        self.shapes: set[tuple] = set()
+        self.compiled = self._compile()
+
+    def segments(self, *shapes: tuple) -> list[Segment]:
+        if shapes not in self.shapes:
+            if len(self.shapes) >= TRACED_SHAPES:
+                self.shapes.clear()
+                self.compiled = self._compile()
+            self.shapes.add(shapes)
+        return self.compiled
+
+    def _compile(self) -> list[Segment]:
+        # a new wrapper each time: mx.compile keys its traces by the function's identity
+        return [mx.compile(lambda *a, f=f: f(*a)) for f in self.fns]
 
 
 def _with_ragged(fn: Segment, block: BlockMode) -> Segment:
