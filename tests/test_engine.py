@@ -290,7 +290,7 @@ def test_compiled_verify_blocks_equal_the_eager_forward(tiny_model, arch, monkey
 
     monkeypatch.setattr(compiled_step, "TRACED_SHAPES", 3)
 
-    shapes: list[tuple[int, int]] = []
+    shapes: list[tuple[int, int, int | None]] = []
     call = CompiledStep.__call__
 
     def counted(self, ids, caches, ragged=None):
