@@ -3,7 +3,7 @@
 import pytest
 
 from mlx_tandem import SamplingParams
-from mlx_tandem.engine.output import RowOutput, TextStream
+from mlx_tandem.engine.output import RowOutput, TextOffsets, TextStream, TokenBytes
 
 
 def feed(model, tokens, stop=()):
@@ -104,3 +104,59 @@ def test_plain_path_and_rows_engine_share_the_finish_rule(tiny_model):
         core.run_until_idle()
         b = handle.result()
         assert (a.tokens, a.text, a.finish_reason) == (b.tokens, b.text, b.finish_reason)
+
+
+def _continuation(m, prompt: str, output: str) -> tuple[list[int], list[int]]:
+    p = ids(m, prompt)
+    return p, ids(m, prompt + output)[len(p):]
+
+
+def test_a_continuation_keeps_its_first_leading_space(tiny_model):
+    """The output's text is decode(prompt + output) minus decode(prompt): "is" + " Paris"."""
+    m = tiny_model("llama")
+    for prompt, output in (("The capital of France is", " Paris."), ("Sum: ", "1 + 1"),
+                           ("Emoji", " 🎉 done")):
+        p, out = _continuation(m, prompt, output)
+        stream = TextStream(m.tokenizer, (), p)
+        text = "".join(stream.add(t) for t in out) + stream.finish()
+        assert text == m.tokenizer.decode(p + out)[len(m.tokenizer.decode(p)):]
+    # control: read without its prompt, the streaming detokenizer drops the space
+    p, out = _continuation(m, "The capital of France is", " Paris.")
+    assert "".join(feed(m, out)[2]) == "Paris."
+
+
+def test_stop_strings_never_match_inside_the_context(tiny_model):
+    m = tiny_model("llama")
+    p, out = _continuation(m, "one END two", " three END four")
+    stream = TextStream(m.tokenizer, ("END",), p)
+    text = "".join(stream.add(t) for t in out if not stream.stopped)
+    assert stream.stopped and text == " three "
+
+
+def _byte_checks(m, text: str) -> None:
+    tokens = ids(m, text)
+    pieces = TokenBytes(m.tokenizer)
+    assert b"".join(pieces(t) for t in tokens) == text.encode("utf-8")
+    offsets = TextOffsets(pieces, 3).of(tokens)
+    done = b""
+    for token, offset in zip(tokens, offsets, strict=True):
+        assert done.startswith(text[: offset - 3].encode("utf-8"))  # whole characters only
+        assert len(done.decode("utf-8", "ignore")) == offset - 3
+        done += pieces(token)
+
+
+def test_token_bytes_join_to_the_texts_bytes(tiny_model):
+    """Byte-level tokens hold parts of characters: their bytes, not U+FFFD, and offsets that
+    count the characters the bytes before them complete."""
+    _byte_checks(tiny_model("llama"), " naïve café — 日本語 🐉🔥 ok")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_token_bytes_and_continuations_on_real_tokenizers(real_model, name):
+    m = real_model(name)
+    _byte_checks(m, " naïve café — 日本語 🐉🔥 ok")  # BPE bytes; SentencePiece byte fallback
+    p, out = _continuation(m, "The capital of France is", " Paris, of course.")
+    stream = TextStream(m.tokenizer, (), p)
+    text = "".join(stream.add(t) for t in out) + stream.finish()
+    assert text == " Paris, of course."

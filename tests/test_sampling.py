@@ -44,8 +44,8 @@ def test_keyed_sampling_equals_categorical_and_depends_on_position():
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     for position in range(5):
         ours = sampler.sample(logprobs, position)
-        ref = mx.random.categorical(logprobs * (1 / 0.7), key=position_key(5, position))
-        assert ours.item() == ref.item()
+        ref = mx.random.categorical(logprobs[0] * (1 / 0.7), key=position_key(5, position))
+        assert ours.shape == (1,) and ours.item() == ref.item()
     draws = {sampler.sample(logprobs, p).item() for p in range(50)}
     assert len(draws) > 5  # different positions draw independently
 

@@ -42,6 +42,26 @@ def test_capital_of_france(server):
     assert r.choices[0].finish_reason in ("stop", "length")
 
 
+def test_a_completion_continues_its_prompt_and_its_logprobs_locate_its_tokens(server):
+    """The text after "... is" keeps its leading space (echoed: prompt + that text); each
+    token's text sits at its offset, streamed or not; logprobs' bytes join to the text's."""
+    prompt = "The capital of France is"
+    kw = {"model": "x", "prompt": prompt, "max_tokens": 8}
+    one = server.client.completions.create(logprobs=1, **kw).choices[0]
+    chunks = list(server.client.completions.create(logprobs=1, stream=True, **kw))
+    streamed = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert "".join(c.choices[0].text for c in chunks) == one.text
+    assert streamed == one.logprobs.text_offset and one.text.startswith(" ")
+    for token, offset in zip(one.logprobs.tokens, one.logprobs.text_offset, strict=True):
+        assert one.text[offset : offset + len(token)] == token
+    assert server.client.completions.create(echo=True, **kw).choices[0].text == prompt + one.text
+    r = chat(server, "Reply with only these emoji: 🐉🔥🌊 and the word 日本語", max_tokens=16,
+             logprobs=True)
+    joined = b"".join(bytes(item.bytes) for item in r.choices[0].logprobs.content)
+    assert joined.decode("utf-8", "replace") == r.choices[0].message.content
+    assert any("\ufffd" in item.token for item in r.choices[0].logprobs.content)  # split chars
+
+
 def test_streaming_equals_json_and_speculation_off_per_request(server):
     for question in QUESTIONS[:2]:
         ref = chat(server, question, max_tokens=40).choices[0].message.content

@@ -59,6 +59,12 @@ def test_json_object_and_text_formats(servers):
     assert obj.message.content.startswith("{")  # a random model's object may not end by 40
     if obj.finish_reason == "stop":
         assert isinstance(json.loads(obj.message.content), dict)
+    for fmt in ({"type": "json_schema"}, {"type": "json_schema", "json_schema": {"name": "x"}},
+                {"type": "json_schema", "json_schema": {"name": "x", "schema": True}}):
+        any_json = reply(plain, response_format=fmt, max_tokens=40)  # no schema: any JSON
+        assert any_json.message.content[:1] in set('{["-0123456789tfn')
+        if any_json.finish_reason == "stop":
+            json.loads(any_json.message.content)
     text = reply(plain, response_format={"type": "text"}, max_tokens=8)
     assert text.message.content == reply(plain, max_tokens=8).message.content
 
@@ -71,6 +77,8 @@ def test_json_object_and_text_formats(servers):
         ({"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}},
          "response_format.json_schema.schema", "schema"),
         ({"type": "yaml"}, "response_format.type", "type"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": False}},
+         "response_format", "false"),
     ],
 )  # fmt: skip
 def test_bad_formats_are_400_naming_the_field(servers, fmt, param, words):

@@ -170,11 +170,16 @@ def test_a_draft_model_prefills_long_prompts_a_chunk_per_unit(target, drafters):
 
 def test_seeded_sampling_with_deterministic_drafts_equals_plain_sampling(target, drafters):
     """Prompt lookup drafts are verified by each position's own keyed sample, so a seeded
-    row's tokens are plain sampling's at every depth, fixed or adaptive, alone or batched."""
+    row's tokens are plain sampling's at every depth, fixed or adaptive, alone or batched —
+    and the plain single-prompt path's (`tandem generate` with one prompt) too."""
+    from mlx_tandem import generate
+
     prompts, _ = prompts_and_params(8, seed=5)
     params = [SamplingParams(max_tokens=14, temperature=0.9, top_p=0.95, seed=70 + i)
               for i in range(len(prompts))]
     reference, _ = run(target[1], prompts, params)
+    alone = [generate(target[1], p, sp).tokens for p, sp in zip(prompts, params, strict=True)]
+    assert alone == [r.tokens for r in reference]
     drafted = 0
     for depth in (FixedDepth(1), FixedDepth(3), FixedDepth(8), AdaptiveDepth(4)):
         got, engine = run(target[1], prompts, params, drafters["ngram"](), depth)

@@ -56,20 +56,32 @@ def json_schema_grammar(schema: dict[str, Any] | bool) -> Grammar:
 
 
 def llguidance_source(grammar: Grammar) -> str:
-    """The grammar in llguidance's form; InvalidParameter if a schema is not JSON."""
-    if grammar.kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
-    if grammar.kind == "json_schema":
-        try:
-            schema = json.loads(grammar.source)
-        except json.JSONDecodeError as err:
-            raise InvalidParameter("grammar", f"the schema is not JSON: {err}") from None
-        if not isinstance(schema, (dict, bool)):
-            raise InvalidParameter("grammar", "a JSON schema is an object or a boolean")
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
-    if grammar.kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(grammar.source)
-    return llguidance.LLMatcher.grammar_from_lark(grammar.source)
+    """The grammar in llguidance's form; InvalidParameter naming what is wrong with it."""
+    schema = _schema(grammar.source) if grammar.kind == "json_schema" else {"type": "object"}
+    try:
+        if grammar.kind in ("json_object", "json_schema"):
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+        if grammar.kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(grammar.source)
+        return llguidance.LLMatcher.grammar_from_lark(grammar.source)
+    except (ValueError, TypeError) as err:  # llguidance's own refusals
+        raise InvalidParameter("grammar", f"invalid {grammar.kind}: {err}") from None
+
+
+def _schema(source: str) -> dict[str, Any]:
+    """A JSON schema as an object: `true` (any JSON) is the empty schema, `false` matches
+    no reply at all."""
+    try:
+        schema = json.loads(source)
+    except json.JSONDecodeError as err:
+        raise InvalidParameter("grammar", f"the schema is not JSON: {err}") from None
+    if schema is True:
+        return {}
+    if schema is False:
+        raise InvalidParameter("grammar", "the schema is false: no reply can match it")
+    if not isinstance(schema, dict):
+        raise InvalidParameter("grammar", "a JSON schema is an object or a boolean")
+    return schema
 
 
 class GrammarCompiler:

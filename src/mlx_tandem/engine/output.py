@@ -5,35 +5,60 @@ to emit: never a broken UTF-8 sequence (held back while the detokenizer's text
 ends in U+FFFD) and never a prefix of a stop string that may still complete
 (held back until it cannot). A stop string cuts the text at its first
 occurrence. Every engine (plain, batched, speculative) feeds tokens through
-this one object, so they all stop at exactly the same place.
+this one object, so they all stop at exactly the same place. The text is the
+continuation of the prompt: the detokenizer first reads the prompt's last
+tokens (`context`), so a first token's leading space stays (mlx-lm's streaming
+detokenizers drop it when their text is still empty: "is" + "Paris").
+
+`TokenBytes` gives each token's own bytes (a byte-level or byte-fallback piece
+may hold part of a UTF-8 character), for logprobs' `bytes`; `TextOffsets` where
+each token starts in the text.
 
 `RowOutput` is the one finish rule, used by the plain path and the rows engine
 alike: a stop id ends the row and is not emitted, a stop string cuts the text,
 the max_tokens-th token ends it with "length".
 
-Oracle: tests/test_output.py (text equals tokenizer.decode; stop cuts equal
+Oracle: tests/test_output.py (text equals tokenizer.decode; a continuation's
+text equals decode(prompt + output) minus decode(prompt); stop cuts equal
 str.find on the full text; held-back text is released on finish; the finish
-rule's three endings).
+rule's three endings; token bytes join to the text's bytes).
 """
 
 from __future__ import annotations
 
+import codecs
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.tokenizer_utils import (
+    BPEStreamingDetokenizer,
+    SPMStreamingDetokenizer,
+    TokenizerWrapper,
+)
+
+CONTEXT_TOKENS = 4  # prompt tokens the detokenizer reads before a row's output
 
 
 class TextStream:
-    def __init__(self, tokenizer: TokenizerWrapper, stop: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, tokenizer: TokenizerWrapper, stop: tuple[str, ...] = (), context: Sequence[int] = ()
+    ) -> None:
+        """`context`: the tokens just before the output (the prompt's last ones), read first
+        and never emitted: the output's text is their continuation."""
         self.detokenizer = tokenizer.detokenizer
         self.detokenizer.reset()
+        for token in context[-CONTEXT_TOKENS:]:
+            self.detokenizer.add_token(token)
+        if context:
+            self.detokenizer.finalize()  # a held trailing space belongs to the prompt
+        self.base = len(self.detokenizer.text)  # characters of context
         self.stop = stop
         self.longest_stop = max((len(s) for s in stop), default=0)
-        self.emitted = 0  # characters of detokenizer text already handed out
-        self.scanned = 0  # stop strings cannot start before this character
+        self.emitted = self.base  # characters of detokenizer text already handed out
+        self.scanned = self.base  # stop strings cannot start before this character
         self.stopped = False
-        self.text = ""  # final text once stopped/finished
 
     def add(self, token: int) -> str:
         """Feed one token; return the text that may be emitted now. Sets `stopped`."""
@@ -56,11 +81,10 @@ class TextStream:
             )
             if cut >= 0:
                 self.stopped = True
-                self.text = text[:cut]
                 delta = text[self.emitted : cut]
                 self.emitted = cut
                 return delta
-            self.scanned = max(0, len(text) - self.longest_stop + 1)
+            self.scanned = max(self.base, len(text) - self.longest_stop + 1)
         end = len(text)
         if not final:
             end -= self._held_back(text)
@@ -68,8 +92,6 @@ class TextStream:
             return ""
         delta = text[self.emitted : end]
         self.emitted = end
-        if final:
-            self.text = text
         return delta
 
     def _held_back(self, text: str) -> int:
@@ -113,8 +135,10 @@ class RowOutput:
         stop: tuple[str, ...],
         stop_ids: set[int],
         max_tokens: int,
+        context: Sequence[int] = (),
     ) -> None:
-        self.text = TextStream(tokenizer, stop)
+        """`context`: the prompt (its last tokens are read first: see TextStream)."""
+        self.text = TextStream(tokenizer, stop, context)
         self.stop_ids = stop_ids
         self.max_tokens = max_tokens
         self.count = 0  # tokens emitted
@@ -135,3 +159,65 @@ class RowOutput:
             delta += self.text.finish()
         return delta, True
 
+
+class TokenBytes:
+    """Each token's own bytes: what it adds to the text, which for a byte-level (BPE) or
+    byte-fallback (SentencePiece) piece may be part of a UTF-8 character. Read from the
+    tokenizer's streaming detokenizer's piece table; other tokenizers decode the token
+    alone. Cached per token."""
+
+    def __init__(self, tokenizer: TokenizerWrapper) -> None:
+        self.tokenizer = tokenizer
+        detokenizer = tokenizer.detokenizer
+        self.pieces: list | None = getattr(detokenizer, "tokenmap", None)
+        self.byte_level = isinstance(detokenizer, BPEStreamingDetokenizer)
+        if not isinstance(detokenizer, (BPEStreamingDetokenizer, SPMStreamingDetokenizer)):
+            self.pieces = None
+        self.cache: dict[int, bytes] = {}
+
+    def __call__(self, token: int) -> bytes:
+        out = self.cache.get(token)
+        if out is None:
+            out = self.cache[token] = self._bytes(token)
+        return out
+
+    def _bytes(self, token: int) -> bytes:
+        if self.pieces is None or token >= len(self.pieces):
+            return self.tokenizer.decode([token]).encode("utf-8")
+        piece = self.pieces[token]
+        if self.byte_level:  # GPT-2's printable stand-ins for bytes; other characters as is
+            table = _byte_values()
+            return b"".join(bytes([table[c]]) if c in table else c.encode("utf-8") for c in piece)
+        return piece.replace("\u2581".encode(), b" ")  # SentencePiece: bytes, U+2581 a space
+
+
+class TextOffsets:
+    """Character offsets of a row's tokens in its text, fed in order (a streamed row chunk
+    by chunk): a token starts after the characters that the bytes before it complete (a
+    character split across tokens belongs to the token that completes it)."""
+
+    def __init__(self, token_bytes: TokenBytes, start: int = 0) -> None:
+        self.token_bytes, self.chars = token_bytes, start
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def of(self, tokens: Sequence[int]) -> list[int]:
+        out = []
+        for token in tokens:
+            out.append(self.chars)
+            self.chars += len(self.decoder.decode(self.token_bytes(token)))
+        return out
+
+
+@functools.cache
+def _byte_values() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: printable stand-in character -> byte value."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table

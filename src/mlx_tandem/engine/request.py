@@ -215,7 +215,7 @@ def new_request(
             raise InvalidParameter("grammar", "this decoding path takes no grammar (use the engine)")
         grammar = grammars.compile(params.grammar)
     stop_ids = (set() if params.ignore_eos else model.eos_token_ids) | set(params.stop_token_ids)
-    output = RowOutput(model.tokenizer, params.stop, stop_ids, params.max_tokens)
+    output = RowOutput(model.tokenizer, params.stop, stop_ids, params.max_tokens, prompt)
     return Request(list(prompt), params, sampler, output, request_id, grammar)
 
 

@@ -19,8 +19,9 @@ One `RowSampler` per request. It turns a row's raw logits into
 Randomness is keyed by (seed, absolute position, purpose), never a shared
 stream, so a seeded row draws the same token alone or in any batch.
 
-Oracle: tests/test_sampling.py (greedy == mlx-lm argmax; keyed Gumbel-max equals
-mx.random.categorical with the same key; every knob's bounds refused by name).
+Oracle: tests/test_sampling.py (greedy == mlx-lm argmax; a keyed draw equals
+mx.random.categorical over the row with the same key; every knob's bounds refused by
+name), tests/test_speculative.py (seeded rows: the plain path == the rows engine).
 """
 
 from __future__ import annotations
@@ -307,6 +308,13 @@ def position_keys(seeds: list[int], positions: np.ndarray, purpose: int) -> mx.a
     return mx.array(words.astype(np.uint32))
 
 
+def keyed_draws(keys: mx.array, logits: mx.array) -> mx.array:
+    """One categorical draw per row with its own key: keys (n, 2), logits (n, V) -> (n,).
+    The one draw of plain sampling and of verification: `mx.random.categorical` over a
+    (1, V) row takes other noise than over its (V,) row, so both paths draw row by row."""
+    return mx.vmap(lambda k, x: mx.random.categorical(x, key=k))(keys, logits)
+
+
 class RowSampler:
     """Owns one request's processors and sampling settings (arrays are (1, V))."""
 
@@ -359,6 +367,5 @@ class RowSampler:
         """One token (shape (1,)) for the row at absolute `position` (Gumbel-max, keyed)."""
         if self.params.greedy:
             return mx.argmax(logprobs, axis=-1)
-        logits = self.sample_logits(logprobs)
-        key = position_key(self.seed, position)
-        return mx.random.categorical(logits, key=key)
+        logits = self.sample_logits(logprobs).reshape(1, -1)
+        return keyed_draws(position_key(self.seed, position)[None], logits)

@@ -45,7 +45,12 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_tandem.engine.request import Request
-from mlx_tandem.engine.sampling import PURPOSE_ACCEPT, PURPOSE_SAMPLE, position_keys
+from mlx_tandem.engine.sampling import (
+    PURPOSE_ACCEPT,
+    PURPOSE_SAMPLE,
+    keyed_draws,
+    position_keys,
+)
 
 
 @dataclass
@@ -148,11 +153,6 @@ def _logprobs(logits: mx.array) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-def _draw(keys: mx.array, logits: mx.array) -> mx.array:
-    """One categorical draw per leading index with its own key: keys (n, 2), logits (n, V)."""
-    return mx.vmap(lambda k, x: mx.random.categorical(x, key=k))(keys, logits)
-
-
 def _sampled(
     requests: list[Request], lp: mx.array, drafts: list[list[int]], q: list[mx.array | None]
 ) -> tuple[mx.array, mx.array, mx.array]:
@@ -163,7 +163,7 @@ def _sampled(
     positions = np.array([[r.position + j for j in range(S)] for r in requests])
     seeds = [r.sampler.seed for r in requests]
     sample_keys = position_keys(seeds, positions, PURPOSE_SAMPLE)
-    bonus = _draw(sample_keys.reshape(-1, 2), logits.reshape(-1, V)).reshape(n, S)
+    bonus = keyed_draws(sample_keys.reshape(-1, 2), logits.reshape(-1, V)).reshape(n, S)
     if K == 0:
         return mx.zeros((n, 0), mx.bool_), mx.zeros((n, 0), mx.uint32), bonus
     d = mx.array([dr + [0] * (K - len(dr)) for dr in drafts], dtype=mx.int32)  # (n, K)
@@ -190,7 +190,7 @@ def _sampled(
     residual = mx.maximum(p - q_full, 0.0)
     empty = residual.sum(axis=-1, keepdims=True) <= 0  # p == q: the draw is never used
     residual = mx.where(empty, p, residual)
-    draws = _draw(sample_keys[:, :K].reshape(-1, 2), mx.log(residual).reshape(-1, V)).reshape(n, K)
+    draws = keyed_draws(sample_keys[:, :K].reshape(-1, 2), mx.log(residual).reshape(-1, V)).reshape(n, K)
     fixed = mx.array([qi is None for qi in q])[:, None]
     accept = mx.where(fixed, own == d, accept_draft(u, p_d, q_d))
     draws = mx.where(fixed, own, draws.astype(mx.int32))

@@ -24,6 +24,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from mlx_tandem.engine.output import TextOffsets
 from mlx_tandem.engine.request import RequestHandle, RequestOutput
 from mlx_tandem.server.schemas import ApiError
 from mlx_tandem.server.state import ServerState
@@ -49,6 +50,7 @@ class Row:
     last_token: float | None = None
     drafted: int = 0  # draft tokens proposed for this row, and how many the target accepted
     accepted: int = 0
+    offsets: TextOffsets | None = None  # completions' logprobs: where each token starts
 
 
 async def merged_events(
@@ -133,8 +135,8 @@ def release(state: ServerState, handles: list[RequestHandle], rows: list[Row]) -
 
 def chat_logprobs(state: ServerState, items: list[Any], k: int) -> dict[str, Any]:
     def entry(token: int, lp: float) -> dict[str, Any]:
-        text = state.token_text(token)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+        return {"token": state.token_text(token), "logprob": lp,
+                "bytes": list(state.token_bytes(token))}
 
     content = []
     for item in items:
@@ -143,17 +145,14 @@ def chat_logprobs(state: ServerState, items: list[Any], k: int) -> dict[str, Any
     return {"content": content, "refusal": None}
 
 
-def text_logprobs(state: ServerState, items: list[Any], k: int, offset: int) -> dict[str, Any]:
-    tokens, offsets = [], []
-    for item in items:
-        tokens.append(state.token_text(item.token))
-        offsets.append(offset)
-        offset += len(tokens[-1])
+def text_logprobs(
+    state: ServerState, items: list[Any], k: int, offsets: TextOffsets
+) -> dict[str, Any]:
     return {
-        "tokens": tokens,
+        "tokens": [state.token_text(item.token) for item in items],
         "token_logprobs": [item.logprob for item in items],
         "top_logprobs": [{state.token_text(t): lp for t, lp in item.top[:k]} for item in items],
-        "text_offset": offsets,
+        "text_offset": offsets.of([item.token for item in items]),
     }
 
 
@@ -200,18 +199,20 @@ class Job:
         }
 
 
-def _shape_logprobs(state: ServerState, job: Job, row: Row, items: list[Any], offset: int):
+def _shape_logprobs(state: ServerState, job: Job, row: Row, items: list[Any]):
     if job.logprobs is None or not items:
         return None
     if job.chat:
         return chat_logprobs(state, items, job.logprobs)
-    return text_logprobs(state, items, job.logprobs, offset)
+    if row.offsets is None:  # the completion's text starts after the echoed prompt
+        row.offsets = TextOffsets(state.token_bytes, len(job.echo[row.index]))
+    return text_logprobs(state, items, job.logprobs, row.offsets)
 
 
 def complete_body(state: ServerState, job: Job) -> dict[str, Any]:
     choices = []
     for row in job.rows:
-        lp = _shape_logprobs(state, job, row, row.logprobs, len(job.echo[row.index]))
+        lp = _shape_logprobs(state, job, row, row.logprobs)
         if job.chat:
             message: dict[str, Any] = {"role": "assistant", "content": row.text}
             if row.calls:
@@ -246,12 +247,10 @@ async def stream_body(state: ServerState, job: Job) -> AsyncIterator[str]:
                 yield chunk(row.index, {"role": "assistant", "content": ""})
             elif job.echo[row.index]:
                 yield chunk(row.index, {"content": job.echo[row.index]})
-        offsets = [len(e) for e in job.echo]
         async for i, out in merged_events(job.handles):
             row = job.rows[i]
             content, calls = observe(state, row, out, True)
-            lp = _shape_logprobs(state, job, row, out.logprobs, offsets[i])
-            offsets[i] += sum(len(state.token_text(t)) for t in out.tokens)
+            lp = _shape_logprobs(state, job, row, out.logprobs)
             delta: dict[str, Any] = {}
             if content:
                 delta["content"] = content

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlx_tandem.engine.output import TokenBytes
 from mlx_tandem.engine.request import RequestHandle
 from mlx_tandem.engine.sampling import SamplingParams
 from mlx_tandem.models.loader import LoadedModel
@@ -55,7 +56,7 @@ class ServerState:
         self.draining = False
         self._active: dict[str, RequestHandle] = {}
         self._lock = threading.Lock()
-        self._token_text: dict[int, str] = {}
+        self.token_bytes = TokenBytes(model.tokenizer)  # logprobs' bytes and offsets
 
     @property
     def serving(self) -> bool:
@@ -85,10 +86,8 @@ class ServerState:
         threading.Thread(target=cancel_rest, name="tandem-drain", daemon=True).start()
 
     def token_text(self, token: int) -> str:
-        text = self._token_text.get(token)
-        if text is None:
-            text = self._token_text[token] = self.model.tokenizer.decode([token])
-        return text
+        """A token's own text (part of a character shows as U+FFFD; `token_bytes` has it)."""
+        return self.token_bytes(token).decode("utf-8", "replace")
 
 
 def version() -> str:
