@@ -150,6 +150,39 @@ def test_context_window_and_empty_prompt_errors(tiny_model):
         generate(m, [*PROMPT, 999999], max_tokens=3)
 
 
+def test_prompts_as_arrays_and_bad_arguments(tiny_model):
+    """Prompt ids as numpy / MLX arrays run as the list does (mlx-lm takes them); wrong
+    argument types, params given twice and a zero prefill step are refused by name."""
+    import numpy as np
+
+    from mlx_tandem.engine.config import RuntimeConfig
+    from mlx_tandem.engine.core import EngineCore
+
+    m = tiny_model("llama")
+    ref = generate(m, PROMPT, max_tokens=4).tokens
+    assert generate(m, np.array(PROMPT), max_tokens=4).tokens == ref
+    assert generate(m, mx.array(PROMPT), max_tokens=4).tokens == ref
+    assert generate(m, [np.int64(t) for t in PROMPT], max_tokens=4).tokens == ref
+    with pytest.raises(TypeError, match="NoneType"):
+        generate(m, None, max_tokens=4)
+    with pytest.raises(TypeError, match="1-D integer"):
+        generate(m, np.array([PROMPT]), max_tokens=4)
+    with pytest.raises(TypeError, match="SamplingParams, not dict"):
+        generate(m, PROMPT, {"max_tokens": 4})
+    with pytest.raises(ValueError, match="not both"):
+        generate(m, PROMPT, SamplingParams(max_tokens=3), max_tokens=6)
+    with pytest.raises(ValueError, match="prefill_step_size"):
+        generate(m, PROMPT, max_tokens=3, prefill_step_size=0)
+    with pytest.raises(ValueError, match="not an int"):
+        generate(m, [*PROMPT, 1.5], max_tokens=3)
+    core = EngineCore(m, RuntimeConfig.resolve(environ={}))
+    with pytest.raises(ValueError, match="encode the text first"):
+        core.submit("text", SamplingParams(max_tokens=3))
+    handle = core.submit(np.array(PROMPT), SamplingParams(max_tokens=4))
+    core.run_until_idle()
+    assert handle.result().tokens == ref
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
 def test_compiled_step_on_real_float32_models(real_model, name):

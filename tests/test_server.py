@@ -268,6 +268,8 @@ def test_seeds_and_n(plain):
     assert many.choices[1].message.content == b  # choice i is seeded seed + i
     assert many.usage.prompt_tokens == a.usage.prompt_tokens
     assert many.usage.completion_tokens == 30
+    top = chat(plain, "Seeded", seed=2**64 - 1, n=2, **kw)  # seed + 1 wraps to seed 0's key
+    assert top.choices[1].message.content == chat(plain, "Seeded", seed=0, **kw).choices[0].message.content
 
     chunks = list(chat(plain, "Seeded", seed=7, n=3, stream=True, **kw))
     assert [streamed_text(chunks, i) for i in range(3)] == [c.message.content for c in many.choices]

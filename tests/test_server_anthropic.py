@@ -237,7 +237,7 @@ BAD = [
     ({**MSG, "messages": [{"role": "user", "content": [
         {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}, "messages[0].content[0]"),
     ({**MSG, "tools": A_TOOLS, "tool_choice": {"type": "tool"}}, "tool_choice.name"),
-    ({**MSG, "tools": A_TOOLS, "tool_choice": {"type": "any"}}, "no tool calling"),
+    ({**MSG, "tools": A_TOOLS, "tool_choice": {"type": "any"}}, "tool_choice 'any': this model has no tool"),
     ({**MSG, "tools": A_TOOLS, "tool_choice": {"type": "auto", "disable_parallel_tool_use": True}},
      "disable_parallel_tool_use"),
     ({**MSG, "tools": [{"name": "f"}]}, "tools[0].input_schema"),

@@ -271,6 +271,19 @@ def test_refused_by_name(server, path, body, param):
     assert param.split(".")[-1].split("[")[0] in err["message"]
 
 
+def test_a_prompt_over_the_window_names_the_prompt_and_long_values_are_not_echoed(server):
+    long = "lorem ipsum " * server.model.context_length
+    for path, body, param in (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": long}]}, "messages"),
+        ("/v1/completions", {"prompt": long}, "prompt"),
+    ):
+        err = refused(post(server, path, body), param)  # no max_tokens: the prompt is too long
+        assert "fills the context window" in err["message"]
+    stops = [f"stop string number {i}" for i in range(100)]
+    err = refused(post(server, "/v1/chat/completions", {"messages": MSG, "stop": stops}), "stop")
+    assert "at most 16 stop strings, got 100" in err["message"] and len(err["message"]) < 200
+
+
 def test_defaults_of_unsupported_options_are_accepted(server):
     body = {"messages": MSG, "max_tokens": 2, "response_format": {"type": "text"},
             "parallel_tool_calls": True, "tool_choice": "auto"}  # fmt: skip

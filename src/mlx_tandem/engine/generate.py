@@ -124,7 +124,9 @@ def stream_generate(
     **overrides: Any,
 ) -> Iterator[GenerationChunk]:
     """Generate text for one prompt (a string is encoded as-is, ids are used as given)."""
-    params = params or SamplingParams(**overrides)
+    params = _params(params, overrides)
+    if type(prefill_step_size) is not int or prefill_step_size < 1:
+        raise ValueError(f"prefill_step_size must be a positive int, got {prefill_step_size!r}")
     prompt = model.encode_text(prompt)
     request = new_request(model, prompt, params)  # the rows engine's validation and finish rule
     output = request.output
@@ -146,7 +148,8 @@ def stream_generate(
             yield GenerationChunk(delta, token, info)
             continue
         elapsed = time.perf_counter() - first
-        stats.generation_tps = (stats.generation_tokens - 1) / elapsed if elapsed > 0 else 0.0
+        after_first = max(0, stats.generation_tokens - 1)  # the first token's time is TTFT
+        stats.generation_tps = after_first / elapsed if elapsed > 0 else 0.0
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
         yield GenerationChunk(delta, token if emitted else None, info, finish, stats)
         steps.close()
@@ -161,7 +164,7 @@ def generate(
 ) -> GenerationResult:
     """Run `stream_generate` to the end and collect text, tokens, logprobs and stats."""
     prefill_step_size = overrides.pop("prefill_step_size", 2048)
-    params = params or SamplingParams(**overrides)
+    params = _params(params, overrides)
     prompt = model.encode_text(prompt)
     pieces: list[str] = []
     tokens: list[int] = []
@@ -178,3 +181,15 @@ def generate(
                 "".join(pieces), tokens, prompt, chunk.finish_reason, chunk.stats, logprobs
             )
     raise AssertionError("stream_generate ended without a finish reason")
+
+
+def _params(params: SamplingParams | None, overrides: dict[str, Any]) -> SamplingParams:
+    """The request's SamplingParams: given, or built from keyword overrides — not both."""
+    if params is None:
+        return SamplingParams(**overrides)
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, not {type(params).__name__} "
+                        "(or pass the fields as keywords: max_tokens=...)")
+    if overrides:
+        raise ValueError(f"pass either params or keyword fields, not both: {sorted(overrides)}")
+    return params

@@ -34,6 +34,7 @@ from mlx_tandem.engine.constraint import GrammarCompiler, RowGrammar
 from mlx_tandem.engine.output import RowOutput, TokenLogprob
 from mlx_tandem.engine.sampling import InvalidParameter, RowSampler, SamplingParams
 from mlx_tandem.kv.state_rows import StateRows
+from mlx_tandem.models.loader import token_ids
 
 if TYPE_CHECKING:
     from mlx_tandem.models.loader import LoadedModel
@@ -99,9 +100,12 @@ def check_prompt(prompt: list[int], max_tokens: int, context_length: int, vocab_
     """A prompt the model can run: non-empty ids inside the vocabulary, within the context."""
     if not prompt:
         raise ValueError("prompt is empty: need at least one token")
-    bad = next(
-        (t for t in prompt if type(t) is not int or not 0 <= t < vocab_size), None
-    )  # bool is not a token id
+    if isinstance(prompt, str):
+        raise ValueError("prompt must be token ids here: encode the text first (model.encode)")
+    bad = next((t for t in prompt if type(t) is not int), None)  # bool is not a token id
+    if bad is not None:
+        raise ValueError(f"prompt token {bad!r} is not an int token id")
+    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ValueError(f"prompt token {bad!r} is outside the vocabulary (size {vocab_size})")
     if len(prompt) + max_tokens > context_length:
@@ -207,6 +211,7 @@ def new_request(
     """A validated Request (ValueError naming the problem); nothing else changes.
     A constrained request (params.grammar) needs the engine's `grammars`."""
     graph = model.graph
+    prompt = prompt if isinstance(prompt, str) else token_ids(prompt)  # text: refused below
     check_prompt(prompt, params.max_tokens, model.context_length, graph.vocab_size)
     sampler = RowSampler(params, graph.vocab_size)
     grammar = None

@@ -219,8 +219,13 @@ def knobs() -> dict[str, tuple[Knob, Any]]:
 
 def range_text(k: Knob) -> str:
     if k.lo is not None and k.hi is not None:
-        return f"in [{k.lo:g}, {k.hi:g}]"
-    return f">= {k.lo:g}" if k.lo is not None else f"<= {k.hi:g}"
+        return f"in [{_number(k.lo)}, {_number(k.hi)}]"
+    return f">= {_number(k.lo)}" if k.lo is not None else f"<= {_number(k.hi)}"
+
+
+def _number(x: float) -> str:
+    """A bound as written: integers exactly (a seed's 2^64 - 1), other numbers short."""
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
 def _in_range(k: Knob, x: float) -> bool:
@@ -231,7 +236,9 @@ def check_value(name: str, k: Knob, value: Any, optional: bool = False) -> None:
     """Raise InvalidParameter(name) unless `value` is a valid value of the field."""
 
     def bad(why: str) -> InvalidParameter:
-        return InvalidParameter(name, f"invalid {name}={value!r}: {why}")
+        shown = repr(value)
+        shown = shown if len(shown) <= 80 else shown[:60] + f"... ({len(shown)} characters)"
+        return InvalidParameter(name, f"invalid {name}={shown}: {why}")
 
     if value is None and optional:
         return
@@ -259,7 +266,7 @@ def check_value(name: str, k: Knob, value: Any, optional: bool = False) -> None:
         if not isinstance(value, tuple) or any(not isinstance(s, str) or not s for s in value):
             raise bad("stop strings must be non-empty strings")
         if k.hi is not None and len(value) > k.hi:
-            raise bad(f"at most {k.hi:g} stop strings")
+            raise bad(f"at most {_number(k.hi)} stop strings, got {len(value)}")
     elif k.kind == "ids":
         if not isinstance(value, tuple) or any(type(t) is not int or t < 0 for t in value):
             raise bad("must be token ids >= 0")

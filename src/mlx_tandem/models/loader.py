@@ -25,12 +25,14 @@ import re
 import shutil
 import struct
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import dequantize_model, load_model
 from mlx_lm.utils import load as mlx_lm_load
@@ -88,10 +90,11 @@ class LoadedModel:
         messages.append({"role": "user", "content": prompt})
         return self.encode_messages(messages, chat=chat, template_kwargs=template_kwargs)
 
-    def encode_text(self, prompt: str | list[int]) -> list[int]:
-        """Ids as given, or a raw string encoded as mlx-lm does (BOS unless already present)."""
+    def encode_text(self, prompt: str | Sequence[int] | mx.array) -> list[int]:
+        """Ids as given (a list, or a 1-D integer numpy / MLX array), or a raw string encoded
+        as mlx-lm does (BOS unless already present). TypeError for anything else."""
         if not isinstance(prompt, str):
-            return list(prompt)
+            return token_ids(prompt)
         bos = self.tokenizer.bos_token
         add_special = bos is None or not prompt.startswith(bos)
         return list(self.tokenizer.encode(prompt, add_special_tokens=add_special))
@@ -330,3 +333,18 @@ def _to_float32(model: nn.Module) -> nn.Module:
 def prepared_models() -> list[Path]:
     root = catalogue.tandem_home() / "prepared"
     return sorted(p for p in root.glob("*") if (p / _MARKER).exists()) if root.exists() else []
+
+
+def token_ids(prompt: object) -> list[int]:
+    """A prompt's token ids as Python ints: from a sequence of ints or a 1-D integer numpy or
+    MLX array (what mlx-lm's generate takes). TypeError naming what was given otherwise."""
+    if isinstance(prompt, (mx.array, np.ndarray)):
+        kind = str(prompt.dtype)
+        if prompt.ndim != 1 or "int" not in kind:
+            raise TypeError(
+                f"a prompt array must hold 1-D integer token ids, not {prompt.ndim}-D {kind}")
+        return [int(t) for t in prompt.tolist()]
+    if isinstance(prompt, bytes) or not isinstance(prompt, Sequence):
+        raise TypeError(
+            f"prompt must be text or token ids (a list of ints), not {type(prompt).__name__}")
+    return [int(t) if isinstance(t, np.integer) else t for t in prompt]

@@ -492,6 +492,10 @@ def install(app: FastAPI, state: ServerState, workers: PromptWorkers) -> None:
         if room < 1:
             raise ApiError(400, f"prompt ({len(prompt)} tokens) fills the context window",
                            "messages")  # fmt: skip
+        forced = body.tool_choice.type if body.tool_choice else None
+        if forced in ("any", "tool") and body.tools and state.tools is None:
+            raise ApiError(400, f"tool_choice {forced!r}: this model has no tool calling",
+                           "tool_choice", code="unsupported_parameter")  # fmt: skip
         limit = min(body.max_tokens, room)
         chat = chat.model_copy(update={"max_tokens": limit})
         try:

@@ -23,7 +23,13 @@ import uuid
 from typing import Any
 
 from mlx_tandem.engine.request import RequestHandle
-from mlx_tandem.engine.sampling import Grammar, InvalidParameter, SamplingParams, knobs
+from mlx_tandem.engine.sampling import (
+    MAX_SEED,
+    Grammar,
+    InvalidParameter,
+    SamplingParams,
+    knobs,
+)
 from mlx_tandem.engine.scheduler import QueueFull
 from mlx_tandem.server import schemas as S
 from mlx_tandem.server.responses import Job, Row
@@ -131,8 +137,10 @@ def choice_params(
     max_tokens: tuple[str, int | None],
     logprobs: int,
     choice: int,
+    prompt_field: str,
 ) -> SamplingParams:
-    """One choice's parameters: request fields over server defaults, seeds seed + choice."""
+    """One choice's parameters: request fields over server defaults, seeds seed + choice
+    (past the largest seed wrapped by 2^64: seeds are taken mod 2^64, so the same key)."""
     context = state.model.context_length
     name, explicit = max_tokens
     if explicit is not None:
@@ -147,10 +155,13 @@ def choice_params(
     else:
         limit = min(state.options.defaults.max_tokens, context - prompt_len)
         if limit < 1:
-            raise ApiError(400, f"prompt ({prompt_len} tokens) fills the context window", name)
+            raise ApiError(400, f"prompt ({prompt_len} tokens) fills the context window "
+                           f"({context} tokens)", prompt_field)
     values = {**overrides, "max_tokens": limit, "logprobs": logprobs}
     if values.get("seed") is not None:
         values["seed"] += choice
+        if values["seed"] > MAX_SEED:
+            values["seed"] -= 1 << 64
     try:
         return dataclasses.replace(state.options.defaults, **values)
     except InvalidParameter as err:
@@ -233,7 +244,8 @@ def build_job(
         overrides["grammar"] = reply_grammar(state, body)
     every = [p for p in prompts for _ in range(body.n)]
     params = [
-        choice_params(state, overrides, len(p), (name, explicit), engine_k, c % body.n)
+        choice_params(state, overrides, len(p), (name, explicit), engine_k, c % body.n,
+                      "messages" if chat else "prompt")
         for c, p in enumerate(every)
     ]
     prefix = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
