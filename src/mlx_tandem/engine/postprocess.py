@@ -26,6 +26,7 @@ def accept_tokens(request: Request, tokens: list[int], logprobs: list[mx.array])
         request.stats.first_token = now
     for token, lp in zip(tokens, logprobs, strict=True):
         delta, emitted = request.output.add(token)
+        request.stats.produced += 1
         out.text += delta
         if emitted:
             request.tokens.append(token)

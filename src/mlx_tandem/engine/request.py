@@ -69,11 +69,12 @@ class RequestStats:
     drafted: int = 0
     accepted: int = 0
     steps: int = 0  # decode steps (target forwards) this request took part in
+    produced: int = 0  # tokens those forwards gave the row: emitted, or the stop id ending it
 
     @property
     def mean_accepted_length(self) -> float:
-        """Tokens emitted per target forward (1.0 without speculation)."""
-        return self.generation_tokens / self.steps if self.steps else 0.0
+        """Tokens produced per target forward (1.0 without speculation; a stop id counts)."""
+        return self.produced / self.steps if self.steps else 0.0
 
     @property
     def ttft_s(self) -> float:
