@@ -105,6 +105,7 @@ def test_plain_path_and_rows_engine_share_the_finish_rule(tiny_model):
         b = handle.result()
         assert (a.tokens, a.text, a.finish_reason) == (b.tokens, b.text, b.finish_reason)
         assert b.stats.mean_accepted_length == 1.0  # no drafts; a stop id counts as produced
+        assert handle.result(timeout=1.0) is b  # read once, kept
 
 
 def _continuation(m, prompt: str, output: str) -> tuple[list[int], list[int]]:

@@ -232,6 +232,7 @@ class RequestHandle:
         self.request = request
         self.id = request.id
         self._cancel = cancel
+        self._result: RequestResult | None = None
 
     def events(self, timeout: float | None = None) -> Iterator[RequestOutput]:
         """Events until the final one; TimeoutError if any wait exceeds timeout seconds."""
@@ -255,11 +256,15 @@ class RequestHandle:
         self._cancel(self.id)
 
     def result(self, timeout: float | None = None) -> RequestResult:
-        """Wait for the end and collect everything the request produced."""
+        """Wait for the end and collect everything the request produced (the events not yet
+        read); a second call returns the same result."""
+        if self._result is not None:
+            return self._result
         res = RequestResult()
         for out in self.events(timeout):
             res.text += out.text
             res.tokens += out.tokens
             res.logprobs += out.logprobs
             res.finish_reason, res.error, res.stats = out.finish_reason, out.error, out.stats
+        self._result = res
         return res
