@@ -137,3 +137,78 @@ def test_prompts_file_and_engine_flag_errors(capsys, tiny_folder, tmp_path):
     code, _, err = run_cli(capsys, "generate", "--model", str(tiny_folder), "-p", "a", "-p", "b",
                            "--max-rows", "0")
     assert code == 2 and "max_rows" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--memory-budget", "inf"], "--memory-budget: memory size 'inf' is not a number"),
+        (["--memory-budget", "1K", "--engine", "rows"], "the budget is 1.0 KiB"),
+        (["--memory-budget", "-1"], "--memory-budget: memory size '-1' must be positive"),
+        (["--chat-template-config", '{"add_generation_prompt": false}'],
+         "--chat-template-config may not set 'add_generation_prompt'"),
+        (["--chat-template-config", '{"tokenize": true}'], "may not set 'tokenize'"),
+        (["--chat-template-config", '{"conversation": []}'], "may not set 'conversation'"),
+        (["--prompts-file", "/dev/null"], "--prompts-file /dev/null: no prompts"),
+        (["--logit-bias", "notjson"],
+         "--logit-bias must be a JSON object mapping token ids to biases"),
+    ],
+)
+def test_bad_option_values_are_one_line_errors(capsys, tiny_folder, argv, needle):
+    base = ["generate", "--model", str(tiny_folder), "--prompt", "hello", "--max-tokens", "4"]
+    code, out, err = run_cli(capsys, *base, *argv)
+    assert code == 2 and out == ""
+    assert err.startswith("tandem: error: ") and needle in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("0", False), ("no", False), ("OFF", False), ("False", False),
+     ("1", True), ("yes", True), ("On", True), ("TRUE", True)],
+)
+def test_boolean_flags_take_exactly_the_usual_spellings(text, value):
+    from mlx_tandem.cli.main import build_parser
+
+    args = build_parser().parse_args(["generate", "--batch-invariant", text, "--verbose", text])
+    assert args.batch_invariant is value and args.verbose is value
+
+
+@pytest.mark.parametrize("text", ["maybe", "f", ""])
+def test_boolean_flags_refuse_anything_else(capsys, text):
+    from mlx_tandem.cli.main import build_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["generate", "--batch-invariant", text])
+    assert exit_.value.code == 2
+    assert "argument --batch-invariant: expected true/false" in capsys.readouterr().err
+
+
+def test_draft_model_none_is_no_drafter(capsys, tiny_folder):
+    base = ["generate", "--model", str(tiny_folder), "-p", "hi", "--max-tokens", "4", "--json"]
+    code, plain, _ = run_cli(capsys, *base)
+    assert code == 0
+    for spelling in ("none", "None"):
+        code, out, err = run_cli(capsys, *base, "--draft-model", spelling)
+        assert code == 0, err
+        assert json.loads(out)["tokens"] == json.loads(plain)["tokens"]
+
+
+def test_batch_verbose_false_prints_only_the_text(capsys, tiny_folder):
+    base = ["generate", "--model", str(tiny_folder), "-p", "a", "-p", "b", "--max-tokens", "3"]
+    code, out, _ = run_cli(capsys, *base, "--verbose", "False")
+    assert code == 0 and "==========" not in out and "Rows engine" not in out
+    code, loud, _ = run_cli(capsys, *base)
+    assert code == 0 and "========== [1]" in loud
+
+
+def test_chat_json_schema_runs_constrained_turns(capsys, monkeypatch, tiny_folder):
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n/reset\nhello\n"))
+    code, out, err = run_cli(
+        capsys, "chat", "--model", str(tiny_folder), "--max-tokens", "6", "--json-schema", "object"
+    )
+    assert code == 0 and "error" not in err, err
+    replies = out.splitlines()
+    assert len(replies) == 2 and all(r.startswith("{") for r in replies), out

@@ -19,6 +19,7 @@ from mlx_tandem.cli.options import (
     add_engine_flags,
     add_model_flags,
     add_sampling_flags,
+    draft_spec,
     runtime_config,
     sampling_params,
     str2bool,
@@ -68,7 +69,10 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompt or [])
     if args.prompts_file:
         with open(args.prompts_file, encoding="utf-8") as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
+            lines = [line.rstrip("\n") for line in f if line.strip()]
+        if not lines:  # never fall back to the default prompt for a file that has none
+            raise ValueError(f"--prompts-file {args.prompts_file}: no prompts (every line is blank)")
+        prompts += lines
     if not prompts:
         prompts = [DEFAULT_PROMPT]
     out = []
@@ -83,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.prefill_step_size < 1:
         raise ValueError("--prefill-step-size must be >= 1")
+    args.draft_model = draft_spec(args.draft_model)  # 'none': no drafter, from here on
     kwargs = template_kwargs(args.chat_template_config)
     texts = read_prompts(args)
     if args.engine == "plain" and len(texts) > 1:
@@ -220,7 +225,8 @@ def run_batch(args, model, prompts: list[list[int]], params, config) -> int:
             )
             print(json.dumps({"index": i, **body, **({"speculative": spec} if spec else {})}))
         else:
-            print(f"========== [{i}] {res.finish_reason}, {len(res.tokens)} tokens")
+            if args.verbose:  # --verbose False: only the text, as for one prompt
+                print(f"========== [{i}] {res.finish_reason}, {len(res.tokens)} tokens")
             print(res.text)
             if args.verbose and spec:
                 print(

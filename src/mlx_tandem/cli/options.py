@@ -49,7 +49,8 @@ def add_sampling_flags(
         if k.kind == "strings":
             p.add_argument(*k.flags, dest=name, action="append", default=list(default), help=help_)
         elif k.kind == "bias":
-            p.add_argument(*k.flags, dest=name, type=json.loads, default=None, help=help_)
+            # parsed in sampling_values: a bad value is a one-line error, not argparse's usage
+            p.add_argument(*k.flags, dest=name, default=None, help=help_)
         elif k.kind == "grammar":
             p.add_argument(*k.flags, dest=name, type=_json_schema, default=None, help=help_)
         else:
@@ -97,11 +98,19 @@ def _json_schema(text: str) -> Grammar:
     return Grammar("json_schema", json.dumps(schema))
 
 
-def _logit_bias(bias: Any) -> dict[int, float]:
-    if bias is None:
+def _logit_bias(text: str | None) -> dict[int, float]:
+    """--logit-bias: a JSON object mapping token ids to biases, e.g. '{"42": -100}'."""
+    if text is None:
         return {}
+    try:
+        bias = json.loads(text)
+    except json.JSONDecodeError:
+        bias = None
     if not isinstance(bias, dict):
-        raise ValueError("--logit-bias must be a JSON object of token id -> bias")
+        raise ValueError(
+            f"--logit-bias must be a JSON object mapping token ids to biases "
+            f"(e.g. '{{\"42\": -100}}'), got {text!r}"
+        )
     try:
         return {int(k): float(v) for k, v in bias.items()}
     except (TypeError, ValueError) as err:
@@ -150,11 +159,17 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-group-size", type=int, default=None, help="with --kv-bits (default 64)")
 
 
+def draft_spec(text: str | None) -> str | None:
+    """--draft-model as parsed: 'none' (any case) means no drafter, as `tandem serve` spells
+    it (serve reads the raw text itself, so this is applied by the caller, not by argparse)."""
+    return None if text is None or text.strip().lower() == "none" else text
+
+
 def add_draft_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft-model",
         default=None,
-        help="speculative decoding: a draft model (folder, .gguf, catalogue name) "
+        help="speculative decoding ('none': off): a draft model (folder, .gguf, catalogue name) "
         "sharing the target's tokenizer, 'ngram' for prompt lookup, 'mtp' for the target "
         "checkpoint's own MTP layer (Qwen3-Next / Qwen3.5), or 'assistant' "
         "(the target's assistant drafter, shipped or from `tandem distill`; "
@@ -172,7 +187,7 @@ def add_draft_flags(p: argparse.ArgumentParser) -> None:
 
 
 def runtime_config(args: argparse.Namespace):
-    from mlx_tandem.engine.config import RuntimeConfig, parse_bytes
+    from mlx_tandem.engine.config import RuntimeConfig
     from mlx_tandem.kv.codec import codec_from_flags
 
     kv_codec = codec_from_flags(
@@ -183,15 +198,43 @@ def runtime_config(args: argparse.Namespace):
         max_rows=args.max_rows,
         prefill_chunk=args.prefill_chunk,
         prefill_taper=getattr(args, "prefill_taper", None),
-        memory_budget=parse_bytes(args.memory_budget) if args.memory_budget else None,
+        memory_budget=memory_budget(args.memory_budget),
         batch_invariant=args.batch_invariant,
         kv_codec=kv_codec,
     )
 
 
+def memory_budget(text: str | None) -> int | None:
+    """--memory-budget in bytes (None: auto); ValueError naming the flag for a bad size."""
+    from mlx_tandem.engine.config import parse_bytes
+
+    if not text:
+        return None
+    try:
+        return parse_bytes(text)
+    except ValueError as err:
+        raise ValueError(f"--memory-budget: {err}") from None
+
+
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+
+
 def str2bool(value: str) -> bool:
-    """mlx_lm.generate's convention: anything but 'false'/'f' is true."""
-    return value.lower() not in ("false", "f")
+    """A boolean flag: exactly true/false, 1/0, yes/no or on/off (any case); anything else
+    is an error (mlx_lm's 'anything but false is true' turned '0' and 'off' on)."""
+    text = value.strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise argparse.ArgumentTypeError(
+        f"expected true/false, 1/0, yes/no or on/off, got {value!r}"
+    )
+
+
+# what the CLI passes apply_chat_template (or the template) itself: a second value is a TypeError
+RESERVED_TEMPLATE_KWARGS = ("add_generation_prompt", "conversation", "messages", "tokenize")
 
 
 def template_kwargs(text: str | None) -> dict:
@@ -203,6 +246,12 @@ def template_kwargs(text: str | None) -> dict:
         raise ValueError(f"--chat-template-config is not valid JSON: {err}") from None
     if not isinstance(value, dict):
         raise ValueError("--chat-template-config must be a JSON object")
+    reserved = [k for k in RESERVED_TEMPLATE_KWARGS if k in value]
+    if reserved:
+        raise ValueError(
+            f"--chat-template-config may not set {', '.join(map(repr, reserved))}: "
+            "the CLI passes these itself"
+        )
     return value
 
 

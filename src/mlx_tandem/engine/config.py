@@ -41,11 +41,19 @@ def parse_bytes(text: str) -> int:
     number = t[:-1] if t[-1:] in _UNITS else t
     try:
         value = int(float(number) * scale)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: 'inf', '1e999'
         raise ValueError(f"memory size {text!r} is not a number of bytes (e.g. 4G, 512M)") from None
     if value <= 0:
         raise ValueError(f"memory size {text!r} must be positive")
     return value
+
+
+def format_bytes(n: float) -> str:
+    """A size in the largest binary unit it fills (so 1K reads 1.0 KiB, not 0.0 MiB)."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
 
 
 def parse_cache_bytes(text: str) -> int | None:

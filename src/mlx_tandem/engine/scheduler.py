@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from mlx_tandem.engine.config import format_bytes
 from mlx_tandem.engine.request import Request
 from mlx_tandem.engine.runner import ModelRunner
 from mlx_tandem.kv.prefix_cache import PrefixCache
@@ -66,8 +67,8 @@ class Scheduler:
         need = self.need(request)
         if need > self.budget:
             raise ValueError(
-                f"request needs ~{need / 2**20:.1f} MiB of KV cache (prompt {len(request.prompt)} + "
-                f"max_tokens {request.params.max_tokens}); the budget is {self.budget / 2**20:.1f} MiB"
+                f"request needs ~{format_bytes(need)} of KV cache (prompt {len(request.prompt)} + "
+                f"max_tokens {request.params.max_tokens}); the budget is {format_bytes(self.budget)}"
             )
         if len(self.waiting) + queued >= self.max_queue:
             raise QueueFull(f"queue full ({self.max_queue} waiting requests)")

@@ -104,7 +104,10 @@ def install_errors(app: FastAPI, shapes: Shapes | None = None) -> None:
                 ApiError(400, f"Invalid JSON in request body: {detail}", code="invalid_json"),
             )
         param = _param(tuple(first.get("loc", ())))
-        message = f"{param}: {first['msg']}" if param else f"request body: {first['msg']}"
+        why = first["msg"]
+        if first.get("type") == "extra_forbidden":  # a field of the API this server lacks, or a typo
+            why = "not a field this server supports"
+        message = f"{param}: {why}" if param else f"request body: {why}"
         return shaped(request, ApiError(400, message, param))
 
     @app.exception_handler(StarletteHTTPException)
