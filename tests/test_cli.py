@@ -139,6 +139,16 @@ def test_prompts_file_and_engine_flag_errors(capsys, tiny_folder, tmp_path):
     assert code == 2 and "max_rows" in err
 
 
+def test_rows_engine_options_choose_the_rows_engine(capsys, tiny_folder):
+    """--max-rows (or --prefill-chunk, --memory-budget) with one prompt runs the rows engine,
+    which reads them, instead of the plain path, which would not."""
+    base = ["generate", "--model", str(tiny_folder), "-p", "hello", "--max-tokens", "3", "--json"]
+    code, out, _ = run_cli(capsys, *base)
+    assert code == 0 and "index" not in json.loads(out)
+    code, out, _ = run_cli(capsys, *base, "--max-rows", "2")
+    assert code == 0 and json.loads(out)["index"] == 0
+
+
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
@@ -152,6 +162,9 @@ def test_prompts_file_and_engine_flag_errors(capsys, tiny_folder, tmp_path):
         (["--prompts-file", "/dev/null"], "--prompts-file /dev/null: no prompts"),
         (["--logit-bias", "notjson"],
          "--logit-bias must be a JSON object mapping token ids to biases"),
+        (["--logprobs", "2"], "--logprobs are reported in --json output"),
+        (["--engine", "plain", "--max-rows", "2"], "--max-rows: rows engine options"),
+        (["-p", "-", "-p", "-"], "reads stdin once"),
     ],
 )
 def test_bad_option_values_are_one_line_errors(capsys, tiny_folder, argv, needle):

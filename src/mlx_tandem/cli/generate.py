@@ -75,6 +75,8 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
         prompts += lines
     if not prompts:
         prompts = [DEFAULT_PROMPT]
+    if prompts.count("-") > 1:
+        raise ValueError("--prompt - reads stdin once: give it as one prompt only")
     out = []
     for text in prompts:
         text = text.replace("\\n", "\n").replace("\\t", "\t")
@@ -96,12 +98,20 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--draft-model needs the rows engine (drop --engine plain)")
     if args.engine == "plain" and args.grammar is not None:
         raise ValueError("--json-schema needs the rows engine (drop --engine plain)")
+    if args.logprobs and not args.json:
+        raise ValueError("--logprobs are reported in --json output: add --json")
     config = runtime_config(args)  # validates --kv-codec / --kv-bits before loading
     if args.engine == "plain" and config.kv_codec != "fp":
         raise ValueError("--kv-codec/--kv-bits need the rows engine (drop --engine plain)")
+    rows_flags = [flag for flag, value in (("--max-rows", args.max_rows),
+                                           ("--prefill-chunk", args.prefill_chunk),
+                                           ("--memory-budget", args.memory_budget))
+                  if value is not None]  # fmt: skip
+    if args.engine == "plain" and rows_flags:
+        raise ValueError(f"{', '.join(rows_flags)}: rows engine options (drop --engine plain)")
     use_rows = (
         args.engine == "rows" or len(texts) > 1 or bool(args.draft_model) or bool(args.grammar)
-        or config.kv_codec != "fp"
+        or config.kv_codec != "fp" or bool(rows_flags)
     )
     model = load(args.model, dtype=args.dtype, progress=not args.json)
     params = sampling_params(args, model.tokenizer)
