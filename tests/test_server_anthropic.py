@@ -239,8 +239,6 @@ BAD = [
         {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}, "messages[0].content[0]"),
     ({**MSG, "tools": A_TOOLS, "tool_choice": {"type": "tool"}}, "tool_choice.name"),
     ({**MSG, "tools": A_TOOLS, "tool_choice": {"type": "any"}}, "tool_choice 'any': this model has no tool"),
-    ({**MSG, "tools": A_TOOLS, "tool_choice": {"type": "auto", "disable_parallel_tool_use": True}},
-     "disable_parallel_tool_use"),
     ({**MSG, "tools": [{"name": "f"}]}, "tools[0].input_schema"),
 ]  # fmt: skip
 
@@ -281,6 +279,20 @@ def test_forced_tool_use_any_and_named(tool_server):
     (block,) = named.content
     assert named.stop_reason == "tool_use" and block.name == "set_alarm"
     assert set(block.input) == {"hour"} and 0 <= block.input["hour"] <= 23
+
+
+def test_disable_parallel_tool_use_keeps_the_first_call(tmp_path_factory):
+    server = LiveServer(make_tool_model(tmp_path_factory.mktemp("again") / "m", again=True))
+    try:
+        c = client(server)
+        ask = [{"role": "user", "content": "Weather in Paris?"}]
+        many = c.messages.create(model="x", max_tokens=9, messages=ask, tools=A_TOOLS)
+        assert [b.type for b in many.content] == ["tool_use"] * 3  # a call, again and again
+        one = c.messages.create(model="x", max_tokens=9, messages=ask, tools=A_TOOLS,
+                                tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+        assert [b.type for b in one.content] == ["tool_use"]
+    finally:
+        server.stop()
 
 
 def test_tool_use_round_trip(tool_server):

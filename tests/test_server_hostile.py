@@ -252,7 +252,7 @@ STRICT_400 = [
     ("/v1/chat/completions", {"messages": MSG, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format"),
-    ("/v1/chat/completions", {"messages": MSG, "parallel_tool_calls": False}, "parallel_tool_calls"),
+    ("/v1/chat/completions", {"messages": MSG, "parallel_tool_calls": "no"}, "parallel_tool_calls"),
     ("/v1/chat/completions", {"messages": MSG, "tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions",
      {"messages": MSG, "tool_choice": {"type": "function", "function": {"name": "f"}}},

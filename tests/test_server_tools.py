@@ -39,8 +39,9 @@ TOOLS = [
 ]
 
 
-def make_tool_model(folder: Path) -> LoadedModel:
-    """A tiny llama whose greedy answer to any chat is one tool call, then <eos>.
+def make_tool_model(folder: Path, again: bool = False) -> LoadedModel:
+    """A tiny llama whose greedy answer to any chat is one tool call, then <eos> (`again`:
+    another call after each call, until max_tokens).
 
     Three added tokens (the two markers and the call's JSON); attention and MLP outputs
     are zeroed so the last hidden state is the input token's embedding, and embeddings
@@ -55,13 +56,16 @@ def make_tool_model(folder: Path) -> LoadedModel:
     config.update(chat_template=TOOL_TEMPLATE, tool_parser_type="json_tools")
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     weights = dict(mx.load(str(folder / "model.safetensors")))
-    chain = [tok.token_to_id(t) for t in ("<|assistant|>", TOOL_START, CALL, TOOL_END)] + [EOS]
+    chain = [tok.token_to_id(t) for t in ("<|assistant|>", TOOL_START, CALL, TOOL_END)]
+    chain.append(chain[1] if again else EOS)
     embed, head = weights["model.embed_tokens.weight"], weights["lm_head.weight"]
     basis = mx.eye(embed.shape[1])
     head[:, : len(chain)] = 0.0
+    for nxt in chain[1:]:
+        head[nxt] = 0.0
     for i, (token, nxt) in enumerate(itertools.pairwise(chain)):
         embed[token] = basis[i]
-        head[nxt] = 10.0 * basis[i]
+        head[nxt] = head[nxt] + 10.0 * basis[i]  # `again`: <tool_call> follows two tokens
     for name in weights:
         if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
             weights[name] = mx.zeros_like(weights[name])
@@ -114,6 +118,26 @@ def test_tool_call_round_trip(tool_server):
     again = create(model="x", messages=answer, tools=TOOLS, max_tokens=10)
     assert again.usage.prompt_tokens > r.usage.prompt_tokens + len(CALL) // 4
     assert again.choices[0].message.tool_calls[0].function.name == "get_weather"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(tmp_path_factory):
+    model = make_tool_model(tmp_path_factory.mktemp("tools") / "m", again=True)
+    server = LiveServer(model)
+    try:
+        ask = [{"role": "user", "content": "Weather in Paris?"}]
+        create = server.client.chat.completions.create
+        many = create(model="x", messages=ask, tools=TOOLS, max_tokens=9)
+        assert len(many.choices[0].message.tool_calls) == 3  # a call, again and again
+        for parallel in (False, True):
+            one = create(model="x", messages=ask, tools=TOOLS, max_tokens=9,
+                         parallel_tool_calls=parallel)
+            assert len(one.choices[0].message.tool_calls) == (3 if parallel else 1)
+        chunks = list(create(model="x", messages=ask, tools=TOOLS, max_tokens=9,
+                             parallel_tool_calls=False, stream=True))
+        deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+        assert [(d.index, d.function.name) for d in deltas] == [(0, "get_weather")]
+    finally:
+        server.stop()
 
 
 # --- fuzzing ------------------------------------------------------------------------------------

@@ -17,8 +17,9 @@ sequence ended a row is found in the decoded tokens (the engine reports only "st
 and generates nothing. Errors on these routes have Anthropic's shape (`error_response`;
 guard.py picks the shape by path): 429 queue full and 503 become 529 overloaded_error.
 
-Not supported (400 naming them): image/document/thinking blocks,
-`disable_parallel_tool_use` with auto, a final assistant turn (prefill).
+Not supported (400 naming them): image/document/thinking blocks, a final assistant turn
+(prefill). `disable_parallel_tool_use` keeps a reply's first tool call (OpenAI's
+`parallel_tool_calls: false`).
 
 Oracle: tests/test_server_anthropic.py (the official anthropic client against a live server).
 """
@@ -273,11 +274,6 @@ def to_chat(body: _MessagesBody) -> S.ChatCompletionRequest:
     if choice is not None:
         if choice.type == "tool" and not choice.name:
             raise ApiError(400, "tool_choice of type 'tool' needs the tool's name", "tool_choice.name")
-        if choice.disable_parallel_tool_use and choice.type not in ("any", "tool"):
-            raise ApiError(  # a forced call is always exactly one call; auto may make several
-                400, "disable_parallel_tool_use is supported only with tool_choice any or tool",
-                "tool_choice.disable_parallel_tool_use", code="unsupported_parameter",
-            )  # fmt: skip
         forced = {"any": "required", "tool": {"type": "function", "function": {"name": choice.name}}}
         openai_choice = forced.get(choice.type, choice.type)
     last = len(body.messages) - 1
@@ -295,8 +291,10 @@ def to_chat(body: _MessagesBody) -> S.ChatCompletionRequest:
                                           "parameters": t.input_schema}}
         for t in body.tools or []
     ]  # fmt: skip
+    one_call = bool(choice and choice.disable_parallel_tool_use)  # forced calls are one anyway
     fields = {"messages": messages, "stop": body.stop_sequences, "stream": body.stream,
               "tools": tools or None, "tool_choice": openai_choice,
+              "parallel_tool_calls": False if one_call else None,
               **body.model_dump(include={"temperature", "top_p", "top_k"})}  # fmt: skip
     data = json.dumps({k: v for k, v in fields.items() if v is not None}, ensure_ascii=False)
     try:

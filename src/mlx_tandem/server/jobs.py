@@ -253,8 +253,10 @@ def build_job(
     if tools is not None and isinstance(body, S.ChatCompletionRequest) and body.tools:
         tool_args = [t.model_dump(exclude_none=True) for t in body.tools]
     handles = submit_all(state, every, params, prefix)
+    one_call = chat and getattr(body, "parallel_tool_calls", None) is False
     row_states = [
-        Row(i, ToolCallStream(*tools, tool_args) if tools is not None else None)
+        Row(i, ToolCallStream(*tools, tool_args) if tools is not None else None,
+            max_calls=1 if one_call else None)
         for i in range(len(every))
     ]
     include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -39,6 +39,7 @@ class Row:
 
     index: int
     tools: ToolCallStream | None
+    max_calls: int | None = None  # parallel_tool_calls false: 1 (later calls are dropped)
     text: str = ""
     calls: list[dict[str, Any]] = field(default_factory=list)
     parts: list[str | dict[str, Any]] = field(default_factory=list)  # text and calls, in order
@@ -101,6 +102,8 @@ def observe(
         if out.finish_reason is not None:
             rest, more = row.tools.finish(streaming)
             content, calls = content + rest, calls + more
+        if row.max_calls is not None:
+            calls = calls[: max(0, row.max_calls - len(row.calls))]
     row.text += content
     row.calls += calls
     row.parts += [content, *calls] if content else calls

@@ -150,7 +150,6 @@ _UNSUPPORTED = "not supported: refused (400) unless it asks for the default beha
 # The options this server does not implement, and the one value of each that asks for
 # nothing (the default behaviour), which is accepted.
 UNSUPPORTED: dict[str, Any] = {
-    "parallel_tool_calls": True,
     "best_of": 1,
     "suffix": "",
 }
@@ -177,7 +176,9 @@ class ChatCompletionRequest(SamplingFields):
         description="text | json_object | json_schema: the reply is constrained to it "
         "(enforced per token, with speculation on)",
     )
-    parallel_tool_calls: Any = Field(None, description=_UNSUPPORTED)
+    parallel_tool_calls: bool | None = Field(
+        None, description="false: at most one tool call per reply (later ones are dropped)"
+    )
 
 
 class CompletionRequest(SamplingFields):
