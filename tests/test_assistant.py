@@ -83,6 +83,21 @@ def test_greedy_speculation_equals_plain(pair, k):
         assert engine.stats.position_acceptance("assistant")[0] > 0.3  # a real accept/reject mix
 
 
+def test_one_token_prompts_draft_once_the_target_has_fed_them(pair):
+    """A cohort of one-token prompts holds no K/V at its first decode step (each prompt is
+    its row's pending token): the drafter proposes nothing there instead of failing the step,
+    alone and together, and then drafts as usual."""
+    target, folder, _ = pair
+    prompts = [p[:1] for p in prompts_of(target, 2, seed=9)]
+    params = [SamplingParams(max_tokens=12)] * 2
+    for max_rows in (1, 2):
+        plain, _ = engine_run(target, prompts, params, None, None, max_rows, gaps=False)
+        source = AssistantSource(load_assistant(folder), target)
+        got, engine = engine_run(target, prompts, params, source, FixedDepth(3), max_rows,
+                                 gaps=False)  # fmt: skip
+        assert got == plain and engine.stats.drafted["assistant"] > 0
+
+
 def test_drafting_over_target_rows_kept_in_groups(pair):
     """A long prompt joining short rows puts the target's rows in groups (kv/row_groups.py),
     whose K/V live in the groups: the assistant reads them all and every row's tokens equal

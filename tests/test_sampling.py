@@ -5,6 +5,7 @@ import pytest
 
 from mlx_tandem.engine.sampling import (
     MIN_SCALE,
+    Grammar,
     InvalidParameter,
     RowSampler,
     SamplingParams,
@@ -110,3 +111,12 @@ def test_every_knob_is_declared_once_and_derived_everywhere():
             assert name in sampling_values(parser.parse_args([])), name
     assert {"--max-tokens", "-m", "--temp", "--top-p", "--top-k", "--min-p", "--seed"} <= flags
     assert SamplingParams(**sampling_values(parser.parse_args(["--temp", "0.5"]))).temperature == 0.5
+
+
+def test_a_grammar_cannot_ignore_eos():
+    """A complete grammar allows only EOS next: ignoring it would emit EOS as text and break
+    the parser (and speculation would cut it elsewhere than plain decoding)."""
+    grammar = Grammar("json_object")
+    SamplingParams(grammar=grammar)
+    with pytest.raises(InvalidParameter, match="ignore_eos"):
+        SamplingParams(grammar=grammar, ignore_eos=True)

@@ -144,6 +144,24 @@ def test_result_timeout_raises_instead_of_hanging(tiny_model):
     handle = core.submit([3, 4], SamplingParams(max_tokens=3))  # nobody steps the core
     with pytest.raises(TimeoutError):
         handle.result(timeout=0.05)
+    core.step()  # the first token's event is read, then the wait times out
+    with pytest.raises(TimeoutError):
+        handle.result(timeout=0.05)
+    core.run_until_idle()
+    reference = core.submit([3, 4], SamplingParams(max_tokens=3))
+    core.run_until_idle()
+    assert handle.result().tokens == reference.result().tokens  # nothing read was lost
+    assert len(handle.result().tokens) == 3
+
+
+def test_requests_sharing_an_id_release_their_own_reservations(tiny_model):
+    """Request ids are the caller's and may repeat: each row's KV reservation is its own."""
+    core = EngineCore(tiny_model("llama"), CFG)
+    handles = [core.submit([3, 4, i], SamplingParams(max_tokens=4, ignore_eos=True), request_id="same")
+               for i in range(3)]
+    core.run_until_idle()
+    assert [len(h.result().tokens) for h in handles] == [4, 4, 4]
+    assert core.scheduler.reserved == 0
 
 
 EXIT_SCRIPT = """

@@ -201,6 +201,8 @@ def test_stop_strings_and_eos_inside_a_block_cut_like_plain(target, drafters, pl
         for r, ref in zip(got, reference, strict=True):
             assert (r.tokens, r.text, r.finish_reason) == (ref.tokens, ref.text, ref.finish_reason)
             assert not set(stop_ids) & set(r.tokens)
+            # usage's accepted_prediction_tokens: only the drafts the output took
+            assert r.stats.accepted <= r.stats.produced and r.stats.accepted <= r.stats.drafted
 
 
 def test_adaptive_depth_is_lossless(target, drafters, plain):

@@ -79,7 +79,7 @@ class AssistantSource:
     def draft(self, requests: list[Request], depths: list[int], target: StateRows) -> Drafts:
         depth = max(depths, default=0)
         B = len(requests)
-        if depth == 0:
+        if depth == 0 or not self._holds_kv(target):  # one-token prompts: nothing to read yet
             return Drafts([[] for _ in requests], [None] * B)
         assert self.seed is not None and self.seed.shape[0] == B
         ends = target.ends
@@ -122,6 +122,12 @@ class AssistantSource:
         full = mx.full((logits.shape[0], self.vocab), -mx.inf, logits.dtype)
         full[:, vocab] = logits
         return full
+
+    def _holds_kv(self, target: StateRows) -> bool:
+        """Whether the target's rows hold K/V yet: a cohort of one-token prompts has fed
+        nothing before its first decode step (each row's pending token is its prompt)."""
+        cache = target.layers[self.donors[0].index]
+        return not isinstance(cache, RowKVCache) or cache.capacity > 0
 
     @staticmethod
     def _donor_kv(

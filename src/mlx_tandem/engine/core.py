@@ -259,25 +259,28 @@ class EngineCore:
         verify_s: float,
     ) -> None:
         """Tokens out through each row's finish rule; finished rows leave the cohort.
-        Grammar-forced proposals count as the grammar's, not the drafter's."""
+        Grammar-forced proposals count as the grammar's, not the drafter's. The stats count
+        the drafts a row's output took: a row that stops inside its accepted drafts (a stop
+        string, a stop id, max_tokens) neither accepted nor drafted the ones after it (the
+        depth policy still learns from every verdict: the drafter's quality)."""
         drafted = [len(d) for d in drafts.tokens]
         accepted = [v.accepted for v in verdicts]
-        own_drafted, forced_drafted = _split(drafted, forced)
-        own_accepted, forced_accepted = _split(accepted, forced)
         if self.drafter:
             slots = mx.array(accepted, dtype=mx.int32)[:, None, None]  # each row's last slot
             self.drafter.commit(accepted, mx.take_along_axis(hidden, slots, axis=1)[:, 0])
             width = max(drafted) + 1
+            own_drafted, own_accepted = _split(drafted, forced)[0], _split(accepted, forced)[0]
             self.depth.observe(self.running, own_drafted, own_accepted, draft_s, verify_s, width)
-            self.stats.record(self.drafter.name, own_drafted, own_accepted, draft_s, verify_s)
-        if any(forced):
-            self.stats.record(GRAMMAR, forced_drafted, forced_accepted, step=False)
         keep = []
         for i, (request, verdict) in enumerate(zip(self.running, verdicts, strict=True)):
+            produced = request.stats.produced
+            out = accept_tokens(request, verdict.tokens, verdict.logprobs)
+            taken = request.stats.produced - produced
+            if taken <= verdict.accepted:  # stopped at a draft: the rest never counted
+                drafted[i] = accepted[i] = taken
             request.stats.steps += 1
             request.stats.drafted += drafted[i]
-            request.stats.accepted += verdict.accepted
-            out = accept_tokens(request, verdict.tokens, verdict.logprobs)
+            request.stats.accepted += accepted[i]
             if request.grammar is not None and out.finish_reason is None:
                 broken = request.grammar.advance(out.tokens)
                 if broken:  # the grammar library refused a token its own mask allowed
@@ -289,6 +292,12 @@ class EngineCore:
                 keep.append(i)
             else:
                 self.scheduler.release(request)
+        if self.drafter:
+            own_drafted, forced_drafted = _split(drafted, forced)
+            own_accepted, forced_accepted = _split(accepted, forced)
+            self.stats.record(self.drafter.name, own_drafted, own_accepted, draft_s, verify_s)
+            if any(forced):
+                self.stats.record(GRAMMAR, forced_drafted, forced_accepted, step=False)
         self._keep(keep)
 
     # --- joining rows -----------------------------------------------------------------

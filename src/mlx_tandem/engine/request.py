@@ -178,6 +178,7 @@ class Request:
         self.history = mx.array(prompt, dtype=mx.uint32) if sampler.needs_history else None
         self.grammar = grammar  # the row's parser state when its output is constrained
         self.finish_reason: str | None = None
+        self.reserved = 0  # KV bytes the scheduler reserved for this row while it is admitted
         self.spec_alpha: float | None = None  # per-token draft acceptance estimate (adaptive depth)
         self.spec_offer: float | None = None  # share of asked steps the drafter proposed in
         self.spec_seen = 0  # drafts of this row whose acceptance was observed (steps)
@@ -233,6 +234,7 @@ class RequestHandle:
         self.id = request.id
         self._cancel = cancel
         self._result: RequestResult | None = None
+        self._partial = RequestResult()  # what result() read before a timeout
 
     def events(self, timeout: float | None = None) -> Iterator[RequestOutput]:
         """Events until the final one; TimeoutError if any wait exceeds timeout seconds."""
@@ -256,11 +258,12 @@ class RequestHandle:
         self._cancel(self.id)
 
     def result(self, timeout: float | None = None) -> RequestResult:
-        """Wait for the end and collect everything the request produced (the events not yet
-        read); a second call returns the same result."""
+        """Wait for the end and collect everything the request produced (the events not read
+        through `events`). A call that times out keeps what it read for the next call; a
+        call after the end returns the same result."""
         if self._result is not None:
             return self._result
-        res = RequestResult()
+        res = self._partial
         for out in self.events(timeout):
             res.text += out.text
             res.tokens += out.tokens

@@ -190,6 +190,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         for name, (k, default) in knobs().items():
             check_value(name, k, getattr(self, name), optional=default is None)
+        if self.grammar is not None and self.ignore_eos:  # a complete grammar allows EOS only
+            raise InvalidParameter(
+                "ignore_eos", "a grammar's reply ends where the grammar completes: ignore_eos "
+                "cannot apply to it")
 
     @property
     def greedy(self) -> bool:

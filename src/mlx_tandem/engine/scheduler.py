@@ -57,7 +57,6 @@ class Scheduler:
     reserved: int = 0
     prefix_cache: PrefixCache | None = None
     short_cache: PrefixCache | None = None  # short prompts' whole pack units (engine/prefill.py)
-    _reservations: dict[str, int] = field(default_factory=dict)
 
     def need(self, request: Request) -> int:
         return self.memory.row_bytes(len(request.prompt) + request.params.max_tokens)
@@ -86,13 +85,14 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.reserved += need
-            self._reservations[head.id] = need
+            head.reserved = need  # on the request: ids are the caller's and may repeat
             self.joining.append(head)
             admitted.append(head)
         return admitted
 
     def release(self, request: Request) -> None:
-        self.reserved -= self._reservations.pop(request.id, 0)
+        self.reserved -= request.reserved
+        request.reserved = 0
 
     def remove(self, request_id: str) -> Request | None:
         """Take a waiting or joining request out (cancel); None if it is not here."""
