@@ -14,6 +14,7 @@ from mlx_tandem.engine.depth import (
     RECALIBRATE,
     AdaptiveDepth,
     DraftCost,
+    FixedDepth,
     size_bucket,
 )
 from mlx_tandem.engine.request import new_request
@@ -378,3 +379,15 @@ def test_the_engine_shadows_only_drafters_whose_proposals_are_free():
     assert handle.request.spec_seen > 0  # measured, drafted or shadowed
     draft = EngineCore(tiny(), drafter=DraftModelSource(tiny()), depth=AdaptiveDepth(3))
     assert draft.depth.shadow is None  # its proposals cost a forward (and it samples)
+
+
+def test_depths_past_a_verify_blocks_reach_are_refused():
+    """A verify block is at most MAX_DRAFT + 1 slots: the sliding layers' rings are sized
+    for that widest append, so a deeper policy would overwrite positions still in a window."""
+    from mlx_tandem.drafters.factory import build_depth
+    from mlx_tandem.engine.sampling import MAX_DRAFT
+
+    assert FixedDepth(MAX_DRAFT).k == MAX_DRAFT and AdaptiveDepth(MAX_DRAFT).k_max == MAX_DRAFT
+    for make in (FixedDepth, AdaptiveDepth, lambda k: build_depth("fixed", k)):
+        with pytest.raises(ValueError, match=f"in \\[.*{MAX_DRAFT}\\]"):
+            make(MAX_DRAFT + 1)

@@ -15,6 +15,7 @@ from mlx_tandem.engine.config import RuntimeConfig
 from mlx_tandem.engine.depth import AdaptiveDepth, DepthPolicy, FixedDepth
 from mlx_tandem.engine.draft_source import DraftSource
 from mlx_tandem.engine.prefill import PrefillPolicy, device_kind
+from mlx_tandem.engine.sampling import MAX_DRAFT
 from mlx_tandem.engine.scheduler import default_budget
 from mlx_tandem.models.assistant_folder import is_assistant_folder, load_assistant
 from mlx_tandem.models.catalogue import tandem_home
@@ -59,8 +60,8 @@ def build_drafter(
 def build_depth(kind: str, num_draft_tokens: int) -> DepthPolicy:
     if kind not in DEPTHS:
         raise ValueError(f"unknown draft depth {kind!r} (choose from {', '.join(DEPTHS)})")
-    if num_draft_tokens < 0:
-        raise ValueError(f"--num-draft-tokens must be >= 0, got {num_draft_tokens}")
+    if not 0 <= num_draft_tokens <= MAX_DRAFT:
+        raise ValueError(f"--num-draft-tokens must be in [0, {MAX_DRAFT}], got {num_draft_tokens}")
     return (
         AdaptiveDepth(max(1, num_draft_tokens))
         if kind == "adaptive"

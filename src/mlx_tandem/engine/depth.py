@@ -69,6 +69,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from mlx_tandem.engine.request import Request
+from mlx_tandem.engine.sampling import MAX_DRAFT
 
 PROBE = 16
 PROBE_MAX = 128
@@ -121,8 +122,8 @@ class FixedDepth:
     name = "fixed"
 
     def __init__(self, k: int) -> None:
-        if k < 0:
-            raise ValueError(f"num_draft_tokens must be >= 0, got {k}")
+        if not 0 <= k <= MAX_DRAFT:
+            raise ValueError(f"num_draft_tokens must be in [0, {MAX_DRAFT}], got {k}")
         self.k = k
 
     def depths(self, requests: list[Request], stochastic: bool = False) -> list[int]:
@@ -185,8 +186,9 @@ class AdaptiveDepth:
         self, k_max: int, prior: float = 0.6, smoothing: float = 0.2, quantum: int = 0,
         by_request: bool = True,
     ) -> None:
-        if k_max < 1:
-            raise ValueError(f"adaptive depth needs num_draft_tokens >= 1, got {k_max}")
+        if not 1 <= k_max <= MAX_DRAFT:  # a verify block wider than MAX_DRAFT + 1 would
+            # overrun the sliding layers' rings (sized for it: ARCHITECTURE, state rows)
+            raise ValueError(f"adaptive depth needs num_draft_tokens in [1, {MAX_DRAFT}], got {k_max}")
         self.k_max, self.prior, self.smoothing = k_max, prior, smoothing
         self.by_request = by_request  # False: the new-row estimates move per drafted step
         self._rows: dict[int, Request] = {}  # the last decision's shared rows (by id)
