@@ -225,3 +225,10 @@ def test_chat_json_schema_runs_constrained_turns(capsys, monkeypatch, tiny_folde
     assert code == 0 and "error" not in err, err
     replies = out.splitlines()
     assert len(replies) == 2 and all(r.startswith("{") for r in replies), out
+
+
+@pytest.mark.parametrize("minutes", ["inf", "0", "-1", "nan"])
+def test_distill_refuses_minutes_that_are_not_a_positive_finite_number(capsys, minutes):
+    with pytest.raises(SystemExit) as exit_:
+        main(["distill", "--target", "x", "--out", "y", "--minutes", minutes])
+    assert exit_.value.code == 2 and "positive finite number" in capsys.readouterr().err

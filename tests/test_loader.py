@@ -87,6 +87,28 @@ def test_bad_arguments_are_refused(tmp_path):
         loader.load(folder, dtype="q4", progress=False)
 
 
+@pytest.mark.parametrize(
+    ("config", "words"),
+    [
+        ("{bad json", r"config\.json is not valid JSON"),
+        ("[]", r"config\.json must hold a JSON object, not list"),
+        ('{"model_type": "llama"}', r"config\.json does not describe a model mlx-lm can build"),
+        (None, r"has no tokenizer \(tokenizer\.json"),
+    ],
+)
+def test_a_broken_folder_is_refused_naming_what_is_wrong(tmp_path, config, words):
+    """Broken config.json files and a folder without tokenizer files fail with one message
+    naming the file (the CLI prints it as one `tandem: error:` line), not a traceback."""
+    folder = make_tiny_model("llama", tmp_path / "tiny")
+    if config is None:
+        for name in loader.TOKENIZER_FILES:
+            (folder / name).unlink(missing_ok=True)
+    else:
+        (folder / "config.json").write_text(config)
+    with pytest.raises((ValueError, FileNotFoundError), match=words):
+        loader.load(folder, progress=False)
+
+
 # --- Hugging Face repo ids (no network: an offline or unreachable hub, a local HF cache) ---
 REPO = "mlx-community/Qwen3-0.6B-4bit"
 

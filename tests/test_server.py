@@ -169,7 +169,22 @@ def test_chat_and_completions_json(plain, llama):
     echo = plain.client.completions.create(
         model="x", prompt="Once upon", max_tokens=8, logit_bias=NO_EOS, echo=True
     )
-    assert echo.choices[0].text == llama.tokenizer.decode(ids) + t.choices[0].text
+    assert echo.choices[0].text == "Once upon" + t.choices[0].text  # as sent, no BOS text
+    echo_ids = plain.client.completions.create(
+        model="x", prompt=ids, max_tokens=8, logit_bias=NO_EOS, echo=True
+    )
+    assert echo_ids.choices[0].text == llama.tokenizer.decode(ids) + t.choices[0].text
+
+
+def test_echo_returns_a_text_prompt_as_sent(plain, llama, monkeypatch):
+    """A tokenizer that adds BOS (Gemma's) must not put "<bos>" into an echoed text prompt."""
+    bos = llama.tokenizer.convert_tokens_to_ids("<bos>")
+    encode = llama.encode_text
+    monkeypatch.setattr(llama, "encode_text", lambda x: [bos, *encode(x)])
+    kw: dict[str, Any] = {"model": "x", "prompt": "Once upon", "max_tokens": 4,
+                          "logit_bias": NO_EOS}
+    alone = plain.client.completions.create(**kw).choices[0].text
+    assert plain.client.completions.create(echo=True, **kw).choices[0].text == "Once upon" + alone
 
 
 def test_model_field_never_loads_anything(plain, llama):

@@ -197,11 +197,26 @@ def device_memory() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    """The folder's config.json as a dict; ValueError naming the file otherwise."""
+    path = folder / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object, not {type(config).__name__}")
+    return config
+
+
 def weight_bytes(folder: Path, dtype: str = "native") -> int:
     """The bytes the folder's weights take once loaded in `dtype`, from the safetensors
     headers alone (no tensor is read). `float32` counts every floating tensor at 4 bytes
     and a quantized weight (an MLX-quantized folder) dequantized: its scales and biases go."""
-    config = json.loads((folder / "config.json").read_text())
+    config = read_config(folder)
     quant = config.get("quantization") or config.get("quantization_config") or {}
     bits = int(quant.get("bits", 0) or 0)
     total = 0
@@ -293,15 +308,24 @@ def load_folder(
     `tokenizer`: see `load`."""
     if not (folder / "config.json").exists():
         raise FileNotFoundError(f"{folder} is not an mlx-lm model folder (no config.json)")
+    read_config(folder)  # a JSON object, or a ValueError naming the file
+    if tokenizer is None and not any((folder / f).exists() for f in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"{folder} has no tokenizer ({', '.join(TOKENIZER_FILES)}): copy the model's "
+            "tokenizer files into the folder")
     if dtype in ("q8", "q4") and not _is_prepared(folder):
         raise ValueError(
             f"--dtype {dtype} re-quantizes GGUF imports only; convert folders with mlx_lm.convert"
         )
     check_fits(folder, name, "native" if _is_prepared(folder) else dtype, kv_budget)
-    if tokenizer is None:
-        model, tokenizer, config = mlx_lm_load(str(folder), return_config=True)
-    else:
-        model, config = load_model(folder)
+    try:
+        if tokenizer is None:
+            model, tokenizer, config = mlx_lm_load(str(folder), return_config=True)
+        else:
+            model, config = load_model(folder)
+    except (TypeError, KeyError) as err:  # the model class refused the config's fields
+        raise ValueError(f"{folder / 'config.json'} does not describe a model mlx-lm can "
+                         f"build: {type(err).__name__}: {err}") from None
     if dtype == "float32" and not _is_prepared(folder):
         model = _to_float32(model)
     return LoadedModel(

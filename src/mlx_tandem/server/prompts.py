@@ -246,7 +246,9 @@ async def text_prompts(
             raise ApiError(
                 400, f"prompt has a token id outside the vocabulary (size {vocab})", "prompt"
             )
-        texts = [model.tokenizer.decode(ids) if body.echo else "" for ids in prompts]
+        # echo: a text prompt as sent (encoding may add BOS); token ids as their text
+        texts = ["" if not body.echo else x if isinstance(x, str)
+                 else model.tokenizer.decode(ids) for x, ids in zip(items, prompts, strict=True)]
         return prompts, texts
 
     return await workers.run(job, "prompt")
