@@ -112,6 +112,15 @@ def test_serve_flag_errors_and_chat_template(tmp_path, capsys):
     for argv in (["--port", "99999"], ["--chat-template-args", "[1]"], ["--temp", "-1"]):
         assert main(["serve", "--model", "nowhere", *argv]) == 2
         assert capsys.readouterr().err.startswith("tandem: error: ")
+    import socket
+
+    with socket.socket() as busy:  # a port in use fails before the model (here: none) loads
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        assert main(["serve", "--model", "nowhere", "--port", port]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"tandem: error: cannot listen on 127.0.0.1:{port}"), err
     model = load_folder(make_tiny_model("llama", tmp_path / "m"), name="t")
     hi = [{"role": "user", "content": "hi"}]
     (tmp_path / "t.jinja").write_text("{{ messages[0]['content'] }}|")

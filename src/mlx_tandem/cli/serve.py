@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Iterator
@@ -190,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    check_listen(args.host, args.port)  # before the model loads: a busy port fails at once
 
     from mlx_tandem.drafters.factory import build_depth, build_drafter
     from mlx_tandem.engine.service import Engine
@@ -258,6 +260,22 @@ def banner(name: str, spec: str | None, args: argparse.Namespace, keyed: bool):
         )
 
     return lines
+
+
+def check_listen(host: str, port: int) -> None:
+    """ValueError naming the address when the server could not listen there (a port in use,
+    an address not on this machine), as uvicorn would find only after the model loaded."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as err:
+        raise ValueError(f"--host {host!r}: {err.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as err:
+            raise ValueError(f"cannot listen on {host}:{port}: {err.strerror}") from None
 
 
 def make_server(config: Any, state: Any, drain_timeout: float, banner: Any = None) -> Any:
