@@ -232,3 +232,27 @@ def test_distill_refuses_minutes_that_are_not_a_positive_finite_number(capsys, m
     with pytest.raises(SystemExit) as exit_:
         main(["distill", "--target", "x", "--out", "y", "--minutes", minutes])
     assert exit_.value.code == 2 and "positive finite number" in capsys.readouterr().err
+
+
+def test_sigterm_ends_a_command_like_ctrl_c_and_its_cleanup_runs(capsys, monkeypatch):
+    """A SIGTERM mid-command (e.g. a GGUF conversion) unwinds through `finally` blocks, so
+    nothing half-written stays behind, and exits 143 with one line."""
+    import os
+    import signal
+
+    from mlx_tandem.cli import models
+
+    cleaned = []
+
+    def run(args):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            return 0
+        finally:
+            cleaned.append(True)
+
+    monkeypatch.setattr(models, "run", run)
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["models"]) == 143 and cleaned == [True]
+    assert capsys.readouterr().err == "tandem: terminated\n"
+    assert signal.getsignal(signal.SIGTERM) is before  # the caller's handler is back
