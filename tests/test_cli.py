@@ -256,3 +256,12 @@ def test_sigterm_ends_a_command_like_ctrl_c_and_its_cleanup_runs(capsys, monkeyp
     assert main(["models"]) == 143 and cleaned == [True]
     assert capsys.readouterr().err == "tandem: terminated\n"
     assert signal.getsignal(signal.SIGTERM) is before  # the caller's handler is back
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--data-minutes", "-1"), ("--data-minutes", "inf"),
+                                             ("--max-steps", "-1"), ("--first-prompt", "-2"),
+                                             ("--dtype", "f16")])  # fmt: skip
+def test_distill_refuses_bad_values_before_loading_anything(capsys, flag, value):
+    with pytest.raises(SystemExit) as exit_:
+        main(["distill", "--target", "nowhere", flag, value])
+    assert exit_.value.code == 2 and flag in capsys.readouterr().err

@@ -12,10 +12,15 @@ import argparse
 import shlex
 from pathlib import Path
 
-from mlx_tandem.cli.options import positive_float, positive_int
+from mlx_tandem.cli.options import (
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from mlx_tandem.lab.distill import PROMPT_SOURCES, DistillOptions, default_folder, distill
 from mlx_tandem.lab.train import TrainConfig
-from mlx_tandem.models.loader import load
+from mlx_tandem.models.loader import DTYPES, load
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,17 +33,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", required=True, help="target model (folder, .gguf, catalogue name)")
     p.add_argument("--out", default=None, help="output folder (default: the assistants home, "
                    "where `--draft-model assistant` finds it)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--layers", type=positive_int, default=defaults.layers)
-    p.add_argument("--width", type=positive_int, default=defaults.width)
-    p.add_argument("--intermediate", type=positive_int, default=defaults.intermediate)
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="the target's weights while training (as `tandem generate --dtype`)")
+    p.add_argument("--layers", type=positive_int, default=defaults.layers,
+                   help="the assistant's Q-only layers")
+    p.add_argument("--width", type=positive_int, default=defaults.width,
+                   help="the assistant's hidden width")
+    p.add_argument("--intermediate", type=positive_int, default=defaults.intermediate,
+                   help="the assistant's MLP width")
     p.add_argument("--vocab", type=positive_int, default=defaults.vocab,
                    help="draft vocabulary: the target's most frequent reply tokens")
     p.add_argument("--depth", type=positive_int, default=train.depth,
                    help="draft steps unrolled in training")
     p.add_argument("--minutes", type=positive_float, default=train.minutes,
                    help="training time (resumed runs count earlier time)")
-    p.add_argument("--data-minutes", type=float, default=defaults.data_minutes,
+    p.add_argument("--data-minutes", type=non_negative_float, default=defaults.data_minutes,
                    help="time for growing the corpus this run: writing prompts (--prompt-source "
                    "self) and answering them (0: use the corpus as is)")
     p.add_argument("--prompts", type=positive_int, default=defaults.prompts,
@@ -47,22 +56,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-source", choices=PROMPT_SOURCES, default=defaults.prompt_source,
                    help="sharegpt: ShareGPT's first human turns; self: user turns the target "
                    "writes itself from its chat template (Magpie), sampled with --seed")
-    p.add_argument("--first-prompt", type=int, default=defaults.first_prompt,
+    p.add_argument("--first-prompt", type=non_negative_int, default=defaults.first_prompt,
                    help="start the corpus at this prompt of the fixed order (continuing an "
                    "--init assistant on prompts it never saw)")
-    p.add_argument("--dataset-replies", type=int, default=defaults.dataset_replies,
+    p.add_argument("--dataset-replies", type=non_negative_int, default=defaults.dataset_replies,
                    help="also train on ShareGPT's own replies to this many other prompts "
                    "(teacher-forced; the loss is still the target's distribution)")
     p.add_argument("--init", default=None, metavar="FOLDER",
                    help="continue training this assistant (its shape and draft vocabulary win "
                    "over --layers/--width/--intermediate/--vocab); a checkpoint in --out wins "
                    "over it")
-    p.add_argument("--max-steps", type=int, default=0,
+    p.add_argument("--max-steps", type=non_negative_int, default=0,
                    help="also stop training after this many steps (0: the time budget only)")
-    p.add_argument("--max-tokens", type=positive_int, default=defaults.max_tokens)
-    p.add_argument("--lr", type=positive_float, default=train.lr)
-    p.add_argument("--batch-tokens", type=positive_int, default=train.batch_tokens)
-    p.add_argument("--seed", type=int, default=train.seed)
+    p.add_argument("--max-tokens", type=positive_int, default=defaults.max_tokens,
+                   help="tokens of each answer the target writes for the corpus")
+    p.add_argument("--lr", type=positive_float, default=train.lr, help="peak learning rate")
+    p.add_argument("--batch-tokens", type=positive_int, default=train.batch_tokens,
+                   help="tokens per training batch")
+    p.add_argument("--seed", type=int, default=train.seed,
+                   help="data order, initial weights, held-out split, self-written prompts")
     p.set_defaults(run=run)
 
 
