@@ -35,16 +35,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "where `--draft-model assistant` finds it)")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="the target's weights while training (as `tandem generate --dtype`)")
-    p.add_argument("--layers", type=positive_int, default=defaults.layers,
-                   help="the assistant's Q-only layers")
-    p.add_argument("--width", type=positive_int, default=defaults.width,
-                   help="the assistant's hidden width")
-    p.add_argument("--intermediate", type=positive_int, default=defaults.intermediate,
-                   help="the assistant's MLP width")
-    p.add_argument("--vocab", type=positive_int, default=defaults.vocab,
-                   help="draft vocabulary: the target's most frequent reply tokens")
-    p.add_argument("--depth", type=positive_int, default=train.depth,
-                   help="draft steps unrolled in training")
+    for flag, default, help_ in (
+        ("--layers", defaults.layers, "the assistant's Q-only layers"),
+        ("--width", defaults.width, "the assistant's hidden width"),
+        ("--intermediate", defaults.intermediate, "the assistant's MLP width"),
+        ("--vocab", defaults.vocab, "draft vocabulary: the target's most frequent reply tokens"),
+        ("--depth", train.depth, "draft steps unrolled in training"),
+    ):
+        p.add_argument(flag, type=positive_int, default=default, help=help_)
     p.add_argument("--minutes", type=positive_float, default=train.minutes,
                    help="training time (resumed runs count earlier time)")
     p.add_argument("--data-minutes", type=non_negative_float, default=defaults.data_minutes,
