@@ -177,8 +177,8 @@ def test_bad_option_values_are_one_line_errors(capsys, tiny_folder, argv, needle
 
 @pytest.mark.parametrize(
     ("text", "value"),
-    [("0", False), ("no", False), ("OFF", False), ("False", False),
-     ("1", True), ("yes", True), ("On", True), ("TRUE", True)],
+    [("0", False), ("no", False), ("OFF", False), ("False", False), ("f", False),
+     ("1", True), ("yes", True), ("On", True), ("TRUE", True), ("T", True)],
 )
 def test_boolean_flags_take_exactly_the_usual_spellings(text, value):
     from mlx_tandem.cli.main import build_parser
@@ -187,7 +187,7 @@ def test_boolean_flags_take_exactly_the_usual_spellings(text, value):
     assert args.batch_invariant is value and args.verbose is value
 
 
-@pytest.mark.parametrize("text", ["maybe", "f", ""])
+@pytest.mark.parametrize("text", ["maybe", "n", ""])
 def test_boolean_flags_refuse_anything_else(capsys, text):
     from mlx_tandem.cli.main import build_parser
 

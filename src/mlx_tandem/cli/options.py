@@ -217,13 +217,14 @@ def memory_budget(text: str | None) -> int | None:
         raise ValueError(f"--memory-budget: {err}") from None
 
 
-_TRUE = ("true", "1", "yes", "on")
-_FALSE = ("false", "0", "no", "off")
+_TRUE = ("true", "t", "1", "yes", "on")
+_FALSE = ("false", "f", "0", "no", "off")
 
 
 def str2bool(value: str) -> bool:
-    """A boolean flag: exactly true/false, 1/0, yes/no or on/off (any case); anything else
-    is an error (mlx_lm's 'anything but false is true' turned '0' and 'off' on)."""
+    """A boolean flag: exactly true/false (t/f, as mlx_lm spells them too), 1/0, yes/no or
+    on/off (any case); anything else is an error (mlx_lm's 'anything but false/f is true'
+    turned '0' and 'off' on)."""
     text = value.strip().lower()
     if text in _TRUE:
         return True
