@@ -86,8 +86,14 @@ class ServerState:
         threading.Thread(target=cancel_rest, name="tandem-drain", daemon=True).start()
 
     def token_text(self, token: int) -> str:
-        """A token's own text (part of a character shows as U+FFFD; `token_bytes` has it)."""
-        return self.token_bytes(token).decode("utf-8", "replace")
+        """A token's own text; a token holding part of a character is named by its bytes as
+        OpenAI names it ("bytes:\\xe6\\x97"), so two such tokens never share a name (the
+        keys of top_logprobs)."""
+        data = self.token_bytes(token)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
 
 def version() -> str:
