@@ -27,7 +27,6 @@ rule's three endings; token bytes join to the text's bytes).
 from __future__ import annotations
 
 import codecs
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -36,6 +35,7 @@ from mlx_lm.tokenizer_utils import (
     BPEStreamingDetokenizer,
     SPMStreamingDetokenizer,
     TokenizerWrapper,
+    _byte_decoder,  # the table BPEStreamingDetokenizer decodes with (mlx-lm pinned)
 )
 
 CONTEXT_TOKENS = 4  # prompt tokens the detokenizer reads before a row's output
@@ -169,10 +169,9 @@ class TokenBytes:
     def __init__(self, tokenizer: TokenizerWrapper) -> None:
         self.tokenizer = tokenizer
         detokenizer = tokenizer.detokenizer
-        self.pieces: list | None = getattr(detokenizer, "tokenmap", None)
+        known = isinstance(detokenizer, (BPEStreamingDetokenizer, SPMStreamingDetokenizer))
+        self.pieces: list | None = detokenizer.tokenmap if known else None
         self.byte_level = isinstance(detokenizer, BPEStreamingDetokenizer)
-        if not isinstance(detokenizer, (BPEStreamingDetokenizer, SPMStreamingDetokenizer)):
-            self.pieces = None
         self.cache: dict[int, bytes] = {}
 
     def __call__(self, token: int) -> bytes:
@@ -185,8 +184,8 @@ class TokenBytes:
         if self.pieces is None or token >= len(self.pieces):
             return self.tokenizer.decode([token]).encode("utf-8")
         piece = self.pieces[token]
-        if self.byte_level:  # GPT-2's printable stand-ins for bytes; other characters as is
-            table = _byte_values()
+        if self.byte_level:  # GPT-2's printable stand-ins for bytes (the BPE detokenizer's
+            table = _byte_decoder()  # own table); other characters as they are
             return b"".join(bytes([table[c]]) if c in table else c.encode("utf-8") for c in piece)
         return piece.replace("\u2581".encode(), b" ")  # SentencePiece: bytes, U+2581 a space
 
@@ -206,18 +205,3 @@ class TextOffsets:
             out.append(self.chars)
             self.chars += len(self.decoder.decode(self.token_bytes(token)))
         return out
-
-
-@functools.cache
-def _byte_values() -> dict[str, int]:
-    """GPT-2's byte-level alphabet: printable stand-in character -> byte value."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[chr(b)] = b
-        else:
-            table[chr(256 + extra)] = b
-            extra += 1
-    return table
