@@ -41,8 +41,16 @@ def test_tandem_blas_off_keeps_mlx_reference_blas():
 
 @linux
 def test_a_blas_path_that_cannot_load_is_an_error():
-    done = _run("import mlx_tandem", TANDEM_BLAS="/nonexistent/libblas.so")
-    assert done.returncode != 0 and "TANDEM_BLAS='/nonexistent/libblas.so'" in done.stderr
+    """Not at import (the CLI could not say it in one line), but when a model is loaded, and
+    as one line from every `tandem` command."""
+    bad = {"TANDEM_BLAS": "/nonexistent/libblas.so"}
+    done = _run("import mlx_tandem; print(mlx_tandem.BLAS.error); mlx_tandem.load('x')", **bad)
+    named = "TANDEM_BLAS='/nonexistent/libblas.so' could not be loaded"
+    assert done.stdout.startswith(named), done.stderr
+    assert done.returncode != 0 and f"ValueError: {named}" in done.stderr
+    done = _run("from mlx_tandem.cli.main import main; raise SystemExit(main(['models']))", **bad)
+    assert done.returncode == 2 and done.stderr.startswith(f"tandem: error: {named}")
+    assert len(done.stderr.splitlines()) == 1, done.stderr
 
 
 @linux

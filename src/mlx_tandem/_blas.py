@@ -13,11 +13,13 @@ batch-invariant attention grouping exists under it for rows over ~1,000 keys, so
 exact rows engine could not run. Its matmul is ~30% slower there (185 -> 131 GFLOP/s).
 
 Environment: TANDEM_BLAS=auto (default) | off | /path/to/libblas.so; OpenBLAS reads its own
-OPENBLAS_NUM_THREADS and OPENBLAS_CORETYPE. `blas_threads` / `set_blas_threads` read and set
+OPENBLAS_NUM_THREADS and OPENBLAS_CORETYPE. A path that cannot be loaded does not fail the
+import (the CLI could not say so in one line): MLX keeps its reference BLAS, `BlasInfo.error`
+says why, and `check_blas_setting` (called by `load` and by every `tandem` command) raises it. `blas_threads` / `set_blas_threads` read and set
 that count.
 Oracle: tests/test_blas.py (OpenBLAS preloaded by default and mapped into the
 process; TANDEM_BLAS=off and mlx-imported-first keep the reference BLAS; a bad
-path is an error; an AVX-512 CPU gets the Haswell kernels unless the user chose, and
+path is an error when loading a model, not at import; an AVX-512 CPU gets the Haswell kernels unless the user chose, and
 under the AVX-512 ones attention is not batch-invariant). Parity with mlx-lm under it: tests/test_generate_parity.py.
 """
 
@@ -37,6 +39,7 @@ class BlasInfo:
     name: str  # "openblas", "reference", "accelerate", "<path>"
     path: str | None
     reason: str
+    error: str = ""  # a TANDEM_BLAS path that could not be loaded, and why
 
 
 def preload_blas(setting: str | None = None) -> BlasInfo:
@@ -53,10 +56,9 @@ def preload_blas(setting: str | None = None) -> BlasInfo:
             "reference", None, "mlx was imported before mlx_tandem; import mlx_tandem first"
         )
     if setting.lower() != "auto":
-        try:
-            ctypes.CDLL(setting, mode=ctypes.RTLD_GLOBAL)
-        except OSError as err:
-            raise ValueError(f"TANDEM_BLAS={setting!r} could not be loaded: {err}") from err
+        error = _load_path(setting)
+        if error:
+            return BlasInfo("reference", None, "TANDEM_BLAS could not be loaded", error)
         return BlasInfo(os.path.basename(setting), setting, "TANDEM_BLAS path")
     kernel = _exact_kernel()
     found = ctypes.util.find_library("openblas")
@@ -69,6 +71,26 @@ def preload_blas(setting: str | None = None) -> BlasInfo:
             continue
         return BlasInfo("openblas", name, "preloaded before MLX" + kernel)
     return BlasInfo("reference", None, "OpenBLAS not found (apt-get install libopenblas0-pthread)")
+
+
+def check_blas_setting() -> None:
+    """Raise ValueError where the TANDEM_BLAS this process was started with names a library
+    that cannot be loaded (the preload recorded it in `BlasInfo.error` and went on)."""
+    setting = os.environ.get("TANDEM_BLAS", "auto").strip()
+    if sys.platform.startswith("linux") and setting.lower() not in ("auto", "off"):
+        error = _load_path(setting)  # loads nothing new: that path failed, or is loaded
+        if error:
+            raise ValueError(error)
+
+
+def _load_path(setting: str) -> str:
+    """Load the BLAS at `setting` into the global namespace; what went wrong, or ""."""
+    try:
+        ctypes.CDLL(setting, mode=ctypes.RTLD_GLOBAL)
+    except OSError as err:
+        return f"TANDEM_BLAS={setting!r} could not be loaded ({err}); set it to auto, off or " \
+            "a BLAS library's path"
+    return ""
 
 
 def _cpu_flags() -> set[str]:

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Sequence
 
 import mlx_tandem  # noqa: F401  (BLAS preload before any mlx import)
+from mlx_tandem._blas import check_blas_setting
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
+        check_blas_setting()
         return int(args.run(args) or 0)
     except KeyboardInterrupt:
         print("tandem: interrupted", file=sys.stderr)

@@ -37,6 +37,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import dequantize_model, load_model
 from mlx_lm.utils import load as mlx_lm_load
 
+from mlx_tandem._blas import check_blas_setting
 from mlx_tandem.models import catalogue
 from mlx_tandem.models.graph import MlxLmGraph, bind_graph
 
@@ -143,6 +144,7 @@ def load(
     smallest budget), counted with the weights against the device's memory. `tokenizer`:
     this model's tokenizer, already loaded (e.g. with another dtype), used instead of
     reading it again (Gemma's 262k-token vocabulary takes ~10 s on a CPU)."""
+    check_blas_setting()
     dtype = resolve_dtype(dtype)
     arg = str(model)
     path = Path(arg).expanduser()
