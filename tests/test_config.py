@@ -14,13 +14,23 @@ def test_precedence_flag_over_environment_over_default():
     assert RuntimeConfig.resolve(environ={"TANDEM_BATCH_INVARIANT": "off"}).batch_invariant is False
 
 
+def test_flags_and_variables_spell_booleans_alike():
+    """One reading of a boolean for `--batch-invariant f` and TANDEM_BATCH_INVARIANT=f."""
+    from mlx_tandem.cli.options import str2bool
+
+    for word, value in (("t", True), ("F", False), ("yes", True), ("0", False), ("On", True)):
+        assert str2bool(word) is value
+        env = {"TANDEM_BATCH_INVARIANT": word}
+        assert RuntimeConfig.resolve(environ=env).batch_invariant is value
+
+
 @pytest.mark.parametrize(
     ("env", "needle"),
     [
         ({"TANDEM_MAX_ROWS": "many"}, "TANDEM_MAX_ROWS='many' is not an integer"),
         ({"TANDEM_MAX_ROWS": "0"}, "max_rows must be >= 1"),
         ({"TANDEM_PREFILL_STALL_MS": "-1"}, "prefill_stall_ms must be >= 0"),
-        ({"TANDEM_BATCH_INVARIANT": "maybe"}, "expected 1/0"),
+        ({"TANDEM_BATCH_INVARIANT": "maybe"}, "expected true/false \\(t/f\\), 1/0"),
         ({"TANDEM_MEMORY_BUDGET": "lots"}, "not a number of bytes"),
     ],
 )

@@ -13,7 +13,9 @@ import math
 from pathlib import Path
 from typing import Any
 
+from mlx_tandem.engine.config import BOOLEAN_WORDS, parse_bool
 from mlx_tandem.engine.sampling import Grammar, SamplingParams, knobs
+from mlx_tandem.kv.codec import NAMES_HELP
 from mlx_tandem.models.catalogue import DEFAULT_MODEL
 from mlx_tandem.models.loader import DTYPES
 
@@ -153,8 +155,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-codec",
         default=None,
-        help="how rows store K/V: fp (default), affine8, affine4[:g32], turbo-kKvV "
-        "(K,V bits in 2,3,4,8), optionally ,fp-edges / ,fp-sliding (docs/BENCHMARKS.md)",
+        help=f"how rows store K/V (default fp): {NAMES_HELP} (docs/ARCHITECTURE.md: KV codecs)",
     )
     p.add_argument("--kv-bits", type=int, default=None, help="mlx-lm spelling: --kv-codec affine<B>")
     p.add_argument("--kv-group-size", type=int, default=None, help="with --kv-bits (default 64)")
@@ -184,7 +185,9 @@ def add_draft_flags(p: argparse.ArgumentParser) -> None:
         default=3,
         help="tokens drafted per step (the maximum with --draft-depth adaptive)",
     )
-    p.add_argument("--draft-depth", choices=("fixed", "adaptive"), default="fixed")
+    p.add_argument("--draft-depth", choices=("fixed", "adaptive"), default="fixed",
+                   help="fixed: every row drafts --num-draft-tokens; adaptive: as deep as each "
+                   "row's measured acceptance pays for, off where it does not (default %(default)s)")
 
 
 def runtime_config(args: argparse.Namespace):
@@ -217,22 +220,12 @@ def memory_budget(text: str | None) -> int | None:
         raise ValueError(f"--memory-budget: {err}") from None
 
 
-_TRUE = ("true", "t", "1", "yes", "on")
-_FALSE = ("false", "f", "0", "no", "off")
-
-
 def str2bool(value: str) -> bool:
-    """A boolean flag: exactly true/false (t/f, as mlx_lm spells them too), 1/0, yes/no or
-    on/off (any case); anything else is an error (mlx_lm's 'anything but false/f is true'
-    turned '0' and 'off' on)."""
-    text = value.strip().lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    raise argparse.ArgumentTypeError(
-        f"expected true/false, 1/0, yes/no or on/off, got {value!r}"
-    )
+    """A boolean flag, spelled as engine/config.parse_bool reads it; anything else is an error."""
+    parsed = parse_bool(value)
+    if parsed is None:
+        raise argparse.ArgumentTypeError(f"expected {BOOLEAN_WORDS}, got {value!r}")
+    return parsed
 
 
 # what the CLI passes apply_chat_template (or the template) itself: a second value is a TypeError

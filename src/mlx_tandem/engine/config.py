@@ -5,14 +5,16 @@ validated here, before any engine state exists.
 
     TANDEM_MAX_ROWS           rows decoded together (default 16)
     TANDEM_PREFILL_CHUNK      prompt tokens per prefill chunk (default: auto, PrefillPolicy)
+    TANDEM_PREFILL_TAPER      the prompt depth at which a row's prefill chunk is half its size
+                              (default: from the model, PrefillPolicy; 0: chunks never shrink)
     TANDEM_PREFILL_STALL_MS   how long running rows may wait for one step that prefills
                               (the rows' own step included; default 1000)
     TANDEM_MEMORY_BUDGET      KV-cache budget, bytes or with K/M/G suffix (default: auto)
     TANDEM_MAX_QUEUE          waiting requests before submit refuses (default 256)
     TANDEM_BATCH_INVARIANT    1/0: pad forwards so a row's arithmetic never depends on
                               the batch (default 1; 0 is faster at small batch, not exact)
-    TANDEM_KV_CODEC           how rows store committed K/V: fp (default), affine8, affine4[:gN],
-                              turbo-kKvV, with optional ,fp-edges / ,fp-sliding (kv/codec.py)
+    TANDEM_KV_CODEC           how rows store committed K/V: fp (default), affineB[:gG],
+                              turbo-kKvV and their options (kv/codec.NAMES_HELP)
     TANDEM_PREFIX_CACHE_BYTES bytes of earlier prompts' chunks kept for reuse (kv/prefix_cache.py):
                               0 off (default here; `tandem serve` sizes it), "auto" from free memory
 
@@ -64,13 +66,26 @@ def parse_cache_bytes(text: str) -> int | None:
     return 0 if t in ("0", "off") else parse_bytes(text)
 
 
-def _bool(text: str, name: str) -> bool:
+BOOLEAN_WORDS = "true/false (t/f), 1/0, yes/no or on/off"
+
+
+def parse_bool(text: str) -> bool | None:
+    """A boolean as flags and environment variables spell it (any case: exactly the words of
+    BOOLEAN_WORDS; t/f as mlx_lm spells them too), or None for anything else (mlx_lm's
+    'anything but false/f is true' turned '0' and 'off' on)."""
     t = text.strip().lower()
-    if t in ("1", "true", "yes", "on"):
+    if t in ("true", "t", "1", "yes", "on"):
         return True
-    if t in ("0", "false", "no", "off"):
+    if t in ("false", "f", "0", "no", "off"):
         return False
-    raise ValueError(f"{name}={text!r}: expected 1/0, true/false, on/off")
+    return None
+
+
+def _bool(text: str, name: str) -> bool:
+    value = parse_bool(text)
+    if value is None:
+        raise ValueError(f"{name}={text!r}: expected {BOOLEAN_WORDS}")
+    return value
 
 
 @dataclass(frozen=True)
