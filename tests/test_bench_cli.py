@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from mlx_tandem.cli import bench as bench_cli
 from mlx_tandem.cli.main import main
 from mlx_tandem.lab.distill import DistillOptions, new_assistant
 from mlx_tandem.models.assistant import save_assistant
@@ -64,14 +65,19 @@ def test_quick_json_and_chart(capsys, tiny_folder, home, tmp_path):
     assert data.startswith(PNG_SIGNATURE) and len(data) > 1000
 
 
-def test_assistant_rows_run_when_the_target_has_one(capsys, tiny_folder, home):
+def test_assistant_rows_run_when_the_target_has_one(capsys, tiny_folder, home, monkeypatch):
+    """(Without matplotlib, the plain install's case: no chart by default, and a note.)"""
     target = load_folder(tiny_folder, name=tiny_folder.name)
     opts = DistillOptions(layers=1, width=32, intermediate=64, vocab=64)
     save_assistant(new_assistant(target, opts, list(range(64))),
                    home / "assistants" / tiny_folder.name)
-    code, out, _ = bench(capsys, tiny_folder, "--chart", "none")
+    real = bench_cli.find_spec
+    monkeypatch.setattr(bench_cli, "find_spec", lambda n: None if n == "matplotlib" else real(n))
+    code, out, err = bench(capsys, tiny_folder, "--chart", "c.png")
+    assert code == 2 and "--chart needs matplotlib" in err
+    code, out, _ = bench(capsys, tiny_folder)
     assert code == 0
-    assert "skipped" not in out and "chart:" not in out
+    assert "skipped" not in out and "\nchart:" not in out and "no chart: pip install" in out
     assert not Path("tandem-bench.png").exists()
     table = {line.split("  ")[0].strip(): line for line in out.splitlines()}
     for name in ("assistant chat B=1", "assistant chat B=4"):

@@ -41,9 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-depth", choices=("fixed", "adaptive"), default=None,
                    help="depth policy of the ngram and assistant rows (default adaptive)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
-    p.add_argument("--chart", default=DEFAULT_CHART,
-                   help=f"PNG chart of tok/s per configuration (default {DEFAULT_CHART}; "
-                   "'none' writes none)")
+    p.add_argument("--chart", default=None,
+                   help=f"PNG chart of tok/s per configuration (default {DEFAULT_CHART} where "
+                   "matplotlib is installed, the [lab] extra; 'none' writes none)")
     p.set_defaults(run=run)
 
 
@@ -54,8 +54,10 @@ def run(args: argparse.Namespace) -> int:
         args.quick, tokens=args.tokens, repeats=args.repeats,
         draft_tokens=args.num_draft_tokens, draft_depth=args.draft_depth,
     )
-    chart = None if args.chart.lower() in ("", "none") else Path(args.chart).expanduser()
-    if chart is not None and find_spec("matplotlib") is None:
+    plotting = find_spec("matplotlib") is not None
+    asked = args.chart if args.chart is not None else DEFAULT_CHART if plotting else "none"
+    chart = None if asked.lower() in ("", "none") else Path(asked).expanduser()
+    if chart is not None and not plotting:
         raise RuntimeError("--chart needs matplotlib: pip install 'mlx-tandem[lab]' "
                            "(or pass --chart none)")
     if chart is not None and not chart.parent.is_dir():
@@ -68,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(results))
     else:
         print_table(results)
+        if not plotting:
+            print("\nno chart: pip install 'mlx-tandem[lab]' for matplotlib")
     return 0
 
 
