@@ -63,10 +63,17 @@ def test_page_is_public_self_contained_html(keyed: LiveServer) -> None:
     keyed.client.models.list()
 
 
-def test_serve_prints_the_page_url() -> None:
+def test_serve_prints_the_page_url(monkeypatch: pytest.MonkeyPatch) -> None:
     args = argparse.Namespace(host="127.0.0.1", draft_depth="adaptive", num_draft_tokens=3)
     lines = banner("smollm2-135m", "ngram", args, False)(8080).splitlines()
     assert lines[-1] == "  open http://127.0.0.1:8080/ in a browser to chat"
+    # a key given as --api-key: the curl line reads it from the variable, so say to set it
+    monkeypatch.delenv("TANDEM_API_KEY", raising=False)
+    keyed_lines = banner("smollm2-135m", "ngram", args, True)(8080).splitlines()
+    assert '"Authorization: Bearer $TANDEM_API_KEY"' in keyed_lines[1]
+    assert keyed_lines[2].startswith("  (export TANDEM_API_KEY=")
+    monkeypatch.setenv("TANDEM_API_KEY", "k")
+    assert len(banner("m", "ngram", args, True)(8080).splitlines()) == 3
 
 
 def test_usage_reports_draft_acceptance(keyed: LiveServer) -> None:

@@ -43,11 +43,9 @@ NOT_OURS = {
     "--trust-remote-code": "no remote code: tokenizers come from the folder or the GGUF",
     "--use-default-chat-template": "no default template",
     "--prompt-concurrency": "prefill batching is budgeted by --prefill-chunk",
-    "--prompt-cache-size": "no prompt cache",
-    "--prompt-cache-bytes": "no prompt cache",
-    "--kv-bits": "no KV quantization",
-    "--kv-group-size": "no KV quantization",
-    "--quantized-kv-start": "no KV quantization",
+    "--prompt-cache-size": "the prefix cache is sized in bytes (--prompt-cache-bytes)",
+    "--quantized-kv-start": "a codec holds every position (--kv-codec's ,fp@0+N keeps a "
+    "prefix in float)",
     "--pipeline": "one device",
 }
 # flags both have whose default differs on purpose
@@ -57,6 +55,7 @@ OUR_DEFAULTS = {
     "--allowed-origins": [],  # CORS off unless asked for
     "--decode-concurrency": None,  # --max-rows, resolved by RuntimeConfig
     "--prefill-step-size": None,  # --prefill-chunk, resolved by RuntimeConfig
+    "--kv-group-size": None,  # 64 once --kv-bits is given (the codec's own default)
 }
 
 
@@ -97,9 +96,12 @@ def test_serve_flags_match_mlx_lm_server():
             "debug",
             "--chat-template",
             "{{ x }}",
+            "--prompt-cache-bytes",
+            "1G",
         ]
     )
     assert args.cors_origin == ["http://a,http://b"] and args.max_rows == 8
+    assert args.prefix_cache_bytes == "1G"
     assert args.log_level == "DEBUG" and args.draft_model == "none"
     args = parser.parse_args(["serve"])
     assert (args.api_key, args.allow_request_chat_template) == (None, False)

@@ -4,7 +4,11 @@
 
 mlx_lm.server's flags: --model --host --port --draft-model --num-draft-tokens --temp --top-p
 --top-k --min-p --max-tokens --chat-template --chat-template-args --log-level (and
---allowed-origins, --decode-concurrency, --prefill-step-size as aliases of ours). The
+--allowed-origins, --decode-concurrency, --prefill-step-size, --prompt-cache-bytes as
+aliases of ours; --kv-bits --kv-group-size as spellings of --kv-codec affine<B>). Not taken
+(tests/test_serve_cli.py's NOT_OURS says why): --adapter-path --trust-remote-code
+--use-default-chat-template --prompt-concurrency --prompt-cache-size
+--quantized-kv-start --pipeline. The
 sampling defaults are derived from SamplingParams' knobs (the server ones: also the
 penalties and --min-tokens-to-keep). Ours: --max-rows --memory-budget --max-queue
 --prefix-cache-bytes (earlier prompts' whole prefill chunks kept for reuse, bit-identical;
@@ -68,13 +72,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="{}",
         help="JSON kwargs for apply_chat_template, e.g. '{\"enable_thinking\": false}'",
     )
-    p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                   help="the server's log level (default %(default)s)")
     add_engine_flags(p)
     p.add_argument("--decode-concurrency", dest="max_rows", type=int, help=argparse.SUPPRESS)
     p.add_argument("--prefill-step-size", dest="prefill_chunk", type=int, help=argparse.SUPPRESS)
     p.add_argument("--max-queue", type=int, default=None, help="waiting requests before 429 (256)")
     p.add_argument(
         "--prefix-cache-bytes",
+        "--prompt-cache-bytes",
+        dest="prefix_cache_bytes",
         default=None,
         help="bytes of earlier prompts' chunks kept for reuse, e.g. 2G; 0 turns the prefix "
         "cache off (default: $TANDEM_PREFIX_CACHE_BYTES, else auto: a quarter of the memory "
@@ -252,10 +259,12 @@ def banner(name: str, spec: str | None, args: argparse.Namespace, keyed: bool):
         speculation = f"{spec}, {depth} {args.num_draft_tokens} tokens" if spec else "off"
         auth = ' -H "Authorization: Bearer $TANDEM_API_KEY"' if keyed else ""
         body = json.dumps({"messages": [{"role": "user", "content": "Hello!"}]})
+        export = "  (export TANDEM_API_KEY=<the --api-key value> in that shell first)\n" \
+            if keyed and not os.environ.get("TANDEM_API_KEY") else ""
         return (
             f"tandem serve: {name} on {url} (speculation: {speculation})\n"
             f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
-            f"-d '{body}'\n"
+            f"-d '{body}'\n{export}"
             f"  open {url}/ in a browser to chat"
         )
 
