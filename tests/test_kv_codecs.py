@@ -153,7 +153,7 @@ def test_a_model_whose_head_dim_a_codec_cannot_store_is_refused(tiny_model):
     ModelRunner(model, kv_codec="turbo-k4v4")  # fine
 
 
-def test_a_family_declaration_is_honoured(tiny_model):
+def test_a_models_codec_declaration_is_honoured(tiny_model):
     model = tiny_model("llama", head_dim=32)
     model.kv_codecs = ("fp", "affine")
     try:

@@ -33,11 +33,16 @@ def imports() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for module, path in paths.items():
         found = set()
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom) and node.module:
+            if isinstance(node, ast.ImportFrom) and (node.module or node.level):
+                source = node.module or ""
+                if node.level:  # relative: `from .x import y` inside package p reads p.x
+                    base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    source = f"{base}.{source}" if source else base
                 # `from pkg import submodule` depends on the submodule, not on pkg/__init__
-                subs = {f"{node.module}.{a.name}" for a in node.names} & set(paths)
-                found |= subs or {node.module}
+                subs = {f"{source}.{a.name}" for a in node.names} & set(paths)
+                found |= subs or {source}
             elif isinstance(node, ast.Import):
                 found |= {a.name for a in node.names}
         graph[module] = {n for n in found if n in paths and n != module}
@@ -47,6 +52,11 @@ def imports() -> dict[str, set[str]]:
 def layer(module: str) -> int:
     parts = module.split(".")
     return LAYERS[parts[1] if len(parts) > 1 else parts[0]]
+
+
+def test_relative_imports_are_read():
+    """`from .gguf_tokenizer import save_tokenizer` (models/gguf_import.py) is an edge too."""
+    assert "mlx_tandem.models.gguf_tokenizer" in imports()["mlx_tandem.models.gguf_import"]
 
 
 def test_every_package_has_a_layer():

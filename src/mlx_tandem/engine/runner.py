@@ -20,8 +20,8 @@ argmax the picks of one fast head call, certified against the exact head's
 
 The runner also owns the rows' KV codec plan (kv/codec.py): which codec each
 attention layer stores its committed K/V with. The codec name is validated
-against the model's head dims (and its family's declared codecs, a model's
-`kv_codecs` attribute) when the runner is built, before any request runs.
+against the model's head dims (and the codec kinds the model declares, a
+`kv_codecs` attribute, where it sets one) when the runner is built, before any request runs.
 
 Oracle: tests/test_state_rows.py, tests/test_engine.py (each row's logits and
 tokens in any cohort equal the row decoded alone).

@@ -56,7 +56,7 @@ AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 AFFINE_GROUPS = (32, 64, 128)
 KINDS = ("fp", "affine", "turbo")
 NAMES_HELP = (
-    "fp, affine8, affine4[:g32|g64|g128], turbo-kKvV (K,V in 2,3,4,8)"
+    "fp, affineB[:g32|g64|g128] (B in 2-8), turbo-kKvV (K,V in 2,3,4,8)"
     "[,rot (affine)][,fp-edges][,fp-sliding][,center][,vcenter][,eq][,fp@L+L..][,kB@L+L..]"
 )
 

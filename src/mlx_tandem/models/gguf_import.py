@@ -30,7 +30,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-from .gguf_tokenizer import save_tokenizer
+from mlx_tandem.models.gguf_tokenizer import save_tokenizer
 
 SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
 DTYPES = ("native", "float32", "q8", "q4")
