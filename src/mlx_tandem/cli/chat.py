@@ -19,7 +19,7 @@ from mlx_tandem.cli.options import add_model_flags, add_sampling_flags, sampling
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="interactive chat (/reset clears, /exit or EOF quits)")
     add_model_flags(p)
-    p.add_argument("--system-prompt", default=None)
+    p.add_argument("--system-prompt", default=None, help="a system message opening the chat")
     add_sampling_flags(p, max_tokens=512)
     p.set_defaults(run=run)
 

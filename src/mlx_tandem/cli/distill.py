@@ -93,10 +93,14 @@ def run(args: argparse.Namespace) -> int:
         dataset_replies=args.dataset_replies, init=init,
         train=train, command="tandem " + shlex.join(args.argv),
     )
-    bar = tqdm(total=round(args.minutes * 60), unit="s", desc="training", leave=True)
+    bars: list[tqdm] = []  # opened by the first report: no bar before training starts
     shown = {"alpha": "-"}
 
     def report(entry: dict) -> None:
+        if not bars:
+            bars.append(tqdm(total=round(args.minutes * 60), unit="s", desc="training",
+                             leave=True))
+        bar = bars[0]
         if "alpha" in entry:
             shown["alpha"] = "/".join(f"{a:.2f}" for a in entry["alpha"])
             shown["tau"] = f"{entry['tokens_per_forward']:.2f}"
@@ -104,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
         bar.set_postfix(step=entry["step"], loss=f"{entry['loss']:.3f}", **shown)
 
     summary = distill(target, out, opts, say=tqdm.write, report=report)
-    bar.close()
+    for bar in bars:
+        bar.close()
     alpha = "/".join(f"{a:.2f}" for a in summary["held_out_alpha"])
     print(
         f"assistant for {target.name}: held-out acceptance {alpha} per position, "

@@ -40,10 +40,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="prompt text ('-' reads stdin); repeat for a batch",
     )
     p.add_argument("--prompts-file", default=None, help="one prompt per line, run as a batch")
-    p.add_argument("--system-prompt", default=None)
-    p.add_argument("--ignore-chat-template", action="store_true")
+    p.add_argument("--system-prompt", default=None, help="a system message before each prompt")
+    p.add_argument("--ignore-chat-template", action="store_true",
+                   help="tokenize the prompt as it is, without the model's chat template")
     p.add_argument("--chat-template-config", default=None, help="JSON kwargs for the template")
-    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--prefill-step-size", type=int, default=2048,
+                   help="prompt tokens per prefill step of the plain path (mlx-lm's; default "
+                   "%(default)s; the rows engine's is --prefill-chunk)")
     add_sampling_flags(p)
     add_engine_flags(p)
     add_draft_flags(p)
@@ -175,13 +178,10 @@ def run_plain(args, model, prompt: list[int], params) -> int:
             "generation_tps": s.generation_tps,
             "peak_memory_gb": s.peak_memory_gb,
         }
-        print(
-            json.dumps(
-                _json_result(
-                    model, r.text, r.tokens, r.prompt_tokens, r.finish_reason, timing, r.logprobs
-                )
-            )
+        body = _json_result(
+            model, r.text, r.tokens, r.prompt_tokens, r.finish_reason, timing, r.logprobs
         )
+        print(json.dumps({"index": 0, **body}))  # the keys of the rows engine's objects
         return 0
     if args.verbose:
         print("=" * 10)
@@ -247,7 +247,8 @@ def run_batch(args, model, prompts: list[list[int]], params, config) -> int:
     if args.verbose and not args.json:
         print("=" * 10)
         print(
-            f"Rows engine: {len(prompts)} prompts, {total} tokens in {elapsed:.2f} s "
+            f"Rows engine: {len(prompts)} prompt{'s' * (len(prompts) != 1)}, {total} tokens in "
+            f"{elapsed:.2f} s "
             f"({total / elapsed:.1f} tokens-per-sec)"
         )
         for name in engine.stats.drafted:  # the drafter's, and grammar-forced proposals
