@@ -83,6 +83,8 @@ def test_generate_ignore_chat_template_and_verbose_false(capsys, tiny_folder):
         (["--max-tokens", "0"], "max_tokens"),
         (["--max-tokens", "100"], "context window"),
         (["--logit-bias", "[1]"], "logit-bias"),
+        (["--logit-bias", '{"5": true}'], "--logit-bias: the bias of token 5 must be a number"),
+        (["--logit-bias", '{"5": 1, "05": 2}'], "--logit-bias: token 5 is named twice"),
         (["--dtype", "q4"], "re-quantizes GGUF imports only"),
     ],
 )

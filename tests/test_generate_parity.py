@@ -68,18 +68,22 @@ def test_compiled_step_declines_other_families_and_caches(tiny_model):
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_processors_match_mlx_lm(tiny_model, arch):
     m = tiny_model(arch)
+    windows = {"repetition_context_size": 9, "presence_context_size": 4,
+               "frequency_context_size": 13}  # three windows, as mlx-lm keeps them
     params = SamplingParams(
         max_tokens=30,
         repetition_penalty=1.3,
         presence_penalty=0.5,
         frequency_penalty=0.3,
         logit_bias={7: 2.0, 42: -1.5},
+        **windows,
     )
     processors = make_logits_processors(
         logit_bias={7: 2.0, 42: -1.5},
         repetition_penalty=1.3,
         presence_penalty=0.5,
         frequency_penalty=0.3,
+        **windows,
     )
     ours = _ours(m, PROMPT, params, 30)
     theirs = _theirs(m, PROMPT, 30, processors=processors)

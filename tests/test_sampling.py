@@ -23,12 +23,13 @@ from mlx_tandem.engine.sampling import (
         ("top_p", 1.01),
         ("top_k", -1),
         ("min_p", 2.0),
-        ("repetition_penalty", 0.0),
+        ("repetition_penalty", 1e-9),
         ("presence_penalty", 3.0),
         ("frequency_penalty", float("inf")),
         ("logprobs", 21),
         ("stop", ("",)),
         ("stop_token_ids", (-1,)),
+        ("stop_token_ids", tuple(range(65))),
         ("seed", "x"),
         ("logit_bias", {-3: 1.0}),
     ],
@@ -37,6 +38,26 @@ def test_bad_values_name_the_field(field, value):
     with pytest.raises(ValueError) as err:
         SamplingParams(**{field: value})
     assert field in str(err.value) or "logit_bias" in str(err.value)
+
+
+def test_the_library_reads_values_as_flags_and_requests_do():
+    """Lists where tuples are kept, and a knob's `off` value (0 for the penalties) as off —
+    what `--repetition-penalty 0` and `"repetition_penalty": 0` mean too."""
+    params = SamplingParams(stop=["a", "b"], stop_token_ids=[3], repetition_penalty=0.0,
+                            presence_penalty=0)
+    assert (params.stop, params.stop_token_ids) == (("a", "b"), (3,))
+    assert params.repetition_penalty is None and params.presence_penalty is None
+
+
+def test_a_json_logit_bias_names_each_token_once_with_a_number():
+    from mlx_tandem.engine.sampling import bias_from_json
+
+    assert bias_from_json({"5": 1, "7": -2.5}) == {5: 1.0, 7: -2.5}
+    for bad, why in (({"5": 1, "05": 2}, "named twice"), ({"5": True}, "must be a number"),
+                     ({"x": 1}, "not a token id"), ({"5": "1"}, "must be a number")):
+        with pytest.raises(InvalidParameter, match=why) as err:
+            bias_from_json(bad)
+        assert err.value.field == "logit_bias"
 
 
 def test_keyed_sampling_equals_categorical_and_depends_on_position():

@@ -331,6 +331,12 @@ CHAT_400 = [
     ({"messages": MSG, "seed": "x"}, "seed"),
     ({"messages": MSG, "stop": 5}, "stop"),
     ({"messages": MSG, "stop": ["a"] * 20}, "stop"),
+    ({"messages": MSG, "stop": ["a", ""]}, "stop"),
+    ({"messages": MSG, "logit_bias": {"5": 1, "05": 2}}, "logit_bias"),
+    ({"messages": MSG, "stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"messages": MSG, "stop_token_ids": [99999]}, "stop_token_ids"),
+    ({"messages": MSG, "ignore_eos": "yes"}, "ignore_eos"),
+    ({"messages": MSG, "xtc_probability": 0.5}, "xtc_probability"),
     ({"messages": MSG, "top_logprobs": 3}, "top_logprobs"),
     ({"messages": MSG, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     ({"messages": MSG, "num_draft_tokens": -1}, "num_draft_tokens"),
@@ -338,6 +344,24 @@ CHAT_400 = [
     ('{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', "temperature"),
     ({"messages": MSG, "tools": [{"type": "function"}]}, "tools[0].function"),
 ]
+
+
+def test_vllm_and_mlx_lm_fields_reach_the_sampling_params():
+    """vLLM's stop_token_ids / ignore_eos and mlx_lm.server's two penalty windows are request
+    fields of their own (they were accepted and ignored, or shared one window)."""
+    from mlx_tandem.engine.sampling import SamplingParams
+    from mlx_tandem.server import schemas as S
+    from mlx_tandem.server.jobs import request_values
+
+    body = S.ChatCompletionRequest.model_validate({
+        "messages": MSG, "stop_token_ids": [3, 4], "ignore_eos": True, "stop": "x",
+        "presence_context_size": 5, "frequency_context_size": 50, "repetition_penalty": 0,
+    })
+    values = request_values(body, vocab=100)
+    assert values["stop_token_ids"] == (3, 4) and values["ignore_eos"] is True
+    assert (values["presence_context_size"], values["frequency_context_size"]) == (5, 50)
+    assert values["repetition_penalty"] is None and values["stop"] == ("x",)
+    assert SamplingParams(**values).frequency_context_size == 50
 
 
 @pytest.mark.parametrize(("body", "param"), CHAT_400)

@@ -14,7 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from mlx_tandem.engine.config import BOOLEAN_WORDS, parse_bool
-from mlx_tandem.engine.sampling import Grammar, SamplingParams, knobs
+from mlx_tandem.engine.sampling import (
+    Grammar,
+    InvalidParameter,
+    SamplingParams,
+    bias_from_json,
+    knobs,
+)
 from mlx_tandem.kv.codec import NAMES_HELP
 from mlx_tandem.models.catalogue import DEFAULT_MODEL
 from mlx_tandem.models.loader import DTYPES
@@ -115,9 +121,9 @@ def _logit_bias(text: str | None) -> dict[int, float]:
             f"(e.g. '{{\"42\": -100}}'), got {text!r}"
         )
     try:
-        return {int(k): float(v) for k, v in bias.items()}
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"--logit-bias has a non-numeric entry: {err}") from None
+        return bias_from_json(bias)
+    except InvalidParameter as err:
+        raise ValueError(f"--logit-bias: {err}") from None
 
 
 def sampling_params(args: argparse.Namespace, tokenizer: Any) -> SamplingParams:

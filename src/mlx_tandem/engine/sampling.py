@@ -45,6 +45,7 @@ PURPOSE_ACCEPT = 2
 
 MIN_SCALE = 1e-6  # smallest positive temperature / repetition_penalty (see the header)
 MAX_STOP = 16
+MAX_STOP_IDS = 64  # extra end-of-sequence ids one request may name
 MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
 MAX_DRAFT = 64
 MAX_WINDOW = 1 << 20
@@ -149,15 +150,21 @@ class SamplingParams:
     )  # fmt: skip
     presence_penalty: float | None = _knob(
         None, flags=("--presence-penalty",), wire=("presence_penalty",), lo=-2.0, hi=2.0,
-        off=0.0, server=True, help="additive presence penalty in [-2, 2] (0: off)",
+        off=0.0, server=True, help="additive presence penalty in [-2, 2] over the last "
+        "presence_context_size tokens, the prompt's included, as mlx-lm counts (0: off)",
     )  # fmt: skip
     frequency_penalty: float | None = _knob(
         None, flags=("--frequency-penalty",), wire=("frequency_penalty",), lo=-2.0, hi=2.0,
-        off=0.0, server=True, help="additive frequency penalty in [-2, 2] (0: off)",
+        off=0.0, server=True, help="additive frequency penalty in [-2, 2] over the last "
+        "frequency_context_size tokens, the prompt's included, as mlx-lm counts (0: off)",
     )  # fmt: skip
-    penalty_context_size: int = _knob(
-        20, kind="int", wire=("presence_context_size", "frequency_context_size"), lo=1,
-        hi=MAX_WINDOW, help="tokens the presence and frequency penalties look back",
+    presence_context_size: int = _knob(
+        20, kind="int", wire=("presence_context_size",), lo=1, hi=MAX_WINDOW,
+        help="tokens the presence penalty looks back (mlx-lm's window: prompt tokens count)",
+    )  # fmt: skip
+    frequency_context_size: int = _knob(
+        20, kind="int", wire=("frequency_context_size",), lo=1, hi=MAX_WINDOW,
+        help="tokens the frequency penalty looks back (mlx-lm's window: prompt tokens count)",
     )  # fmt: skip
     logit_bias: dict[int, float] = _knob(  # noqa: RUF009 (a field() with metadata)
         kind="bias", factory=dict, flags=("--logit-bias",), wire=("logit_bias",), lo=-100.0,
@@ -171,7 +178,10 @@ class SamplingParams:
         (), kind="strings", flags=("--stop",), wire=("stop",), hi=MAX_STOP,
         help=f"stop string (repeatable; at most {MAX_STOP})",
     )  # fmt: skip
-    stop_token_ids: tuple[int, ...] = _knob((), kind="ids", help="extra end-of-sequence ids")
+    stop_token_ids: tuple[int, ...] = _knob(
+        (), kind="ids", wire=("stop_token_ids",), hi=MAX_STOP_IDS,
+        help=f"extra end-of-sequence token ids (at most {MAX_STOP_IDS})",
+    )  # fmt: skip
     logprobs: int = _knob(
         0, kind="int", flags=("--logprobs",), lo=0, hi=MAX_TOP_LOGPROBS,
         help="top-N logprobs per token (with --json)",
@@ -180,7 +190,9 @@ class SamplingParams:
         None, kind="int", wire=("num_draft_tokens",), lo=0, hi=MAX_DRAFT,
         help="cap on drafted tokens per step; 0 = no speculation",
     )  # fmt: skip
-    ignore_eos: bool = _knob(False, kind="bool", help="generate max_tokens even past EOS")
+    ignore_eos: bool = _knob(
+        False, kind="bool", wire=("ignore_eos",), help="generate max_tokens even past EOS",
+    )  # fmt: skip
     grammar: Grammar | None = _knob(  # noqa: RUF009 (a field() with metadata)
         None, kind="grammar", flags=("--json-schema",),
         help="constrain the output to a JSON schema (inline JSON or a file; 'object': any "
@@ -189,7 +201,12 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         for name, (k, default) in knobs().items():
-            check_value(name, k, getattr(self, name), optional=default is None)
+            value = getattr(self, name)
+            if k.kind in ("strings", "ids") and isinstance(value, list):
+                object.__setattr__(self, name, value := tuple(value))
+            elif k.off is not None and value == k.off and not isinstance(value, bool):
+                object.__setattr__(self, name, value := None)  # "0: off", as flags and fields
+            check_value(name, k, value, optional=default is None)
         if self.grammar is not None and self.ignore_eos:  # a complete grammar allows EOS only
             raise InvalidParameter(
                 "ignore_eos", "a grammar's reply ends where the grammar completes: ignore_eos "
@@ -236,6 +253,25 @@ def _in_range(k: Knob, x: float) -> bool:
     return (k.lo is None or x >= k.lo) and (k.hi is None or x <= k.hi)
 
 
+def bias_from_json(bias: dict[Any, Any]) -> dict[int, float]:
+    """A logit_bias object as JSON carries it (the CLI's flag, a request's field): keys are
+    decimal token ids, each id once ("5" and "05" are one id), values numbers (a boolean
+    is not one). InvalidParameter("logit_bias") otherwise."""
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not isinstance(key, str) or not key.isascii() or not key.isdigit():
+            raise InvalidParameter("logit_bias", f"key {key!r} is not a token id")
+        token = int(key)
+        if token in out:
+            raise InvalidParameter("logit_bias", f"token {token} is named twice")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidParameter(
+                "logit_bias", f"the bias of token {token} must be a number, got {value!r}"
+            )
+        out[token] = float(value)
+    return out
+
+
 def check_value(name: str, k: Knob, value: Any, optional: bool = False) -> None:
     """Raise InvalidParameter(name) unless `value` is a valid value of the field."""
 
@@ -274,6 +310,8 @@ def check_value(name: str, k: Knob, value: Any, optional: bool = False) -> None:
     elif k.kind == "ids":
         if not isinstance(value, tuple) or any(type(t) is not int or t < 0 for t in value):
             raise bad("must be token ids >= 0")
+        if k.hi is not None and len(value) > k.hi:
+            raise bad(f"at most {_number(k.hi)} token ids, got {len(value)}")
     elif k.kind == "bool" and not isinstance(value, bool):
         raise bad("must be true or false")
     elif k.kind == "grammar" and not isinstance(value, Grammar):
@@ -339,11 +377,12 @@ class RowSampler:
             repetition_penalty=params.repetition_penalty,
             repetition_context_size=params.repetition_context_size,
             presence_penalty=params.presence_penalty,
-            presence_context_size=params.penalty_context_size,
+            presence_context_size=params.presence_context_size,
             frequency_penalty=params.frequency_penalty,
-            frequency_context_size=params.penalty_context_size,
+            frequency_context_size=params.frequency_context_size,
         )
-        self.history_window = max(params.repetition_context_size, params.penalty_context_size)
+        self.history_window = max(params.repetition_context_size, params.presence_context_size,
+                                  params.frequency_context_size)
 
     @property
     def filter_key(self) -> tuple:

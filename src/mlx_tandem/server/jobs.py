@@ -28,6 +28,7 @@ from mlx_tandem.engine.sampling import (
     Grammar,
     InvalidParameter,
     SamplingParams,
+    bias_from_json,
     knobs,
 )
 from mlx_tandem.engine.scheduler import QueueFull
@@ -85,7 +86,9 @@ def request_values(body: S.SamplingFields, vocab: int) -> dict[str, Any]:
         if k.kind == "bias":
             value = _logit_bias(value, vocab)
         elif k.kind == "strings":
-            value = tuple(s for s in ([value] if isinstance(value, str) else value) if s)
+            value = tuple([value] if isinstance(value, str) else value)
+        elif k.kind == "ids":
+            value = tuple(value)
         elif k.off is not None and value == k.off:
             value = None
         values[name] = value
@@ -119,14 +122,13 @@ def reply_grammar(state: ServerState, body: S.ChatCompletionRequest) -> Grammar 
 
 
 def _logit_bias(bias: dict[str, float], vocab: int) -> dict[int, float]:
-    out = {}
-    for key, value in bias.items():
-        if not key.isascii() or not key.isdigit():
-            raise ApiError(400, f"logit_bias key {key!r} is not a token id", "logit_bias")
-        token = int(key)
-        if token >= vocab:
-            raise ApiError(400, f"logit_bias token {token} is outside the vocabulary", "logit_bias")
-        out[token] = value
+    try:
+        out = bias_from_json(bias)
+    except InvalidParameter as err:
+        raise ApiError(400, f"logit_bias: {err}", "logit_bias") from None
+    outside = next((token for token in out if token >= vocab), None)
+    if outside is not None:
+        raise ApiError(400, f"logit_bias token {outside} is outside the vocabulary", "logit_bias")
     return out
 
 

@@ -58,6 +58,11 @@ def _sampling_field(kind: str, lo: float | None, hi: float | None, help_: str) -
         return dict[str, value] | None, Field(None, description=help_)
     if kind == "strings":
         return Text | list[Text] | None, Field(None, description=help_)
+    if kind == "ids":
+        ids = list[Annotated[int, Field(ge=0)]]
+        return ids | None, Field(None, description=help_, max_length=int(hi) if hi else None)
+    if kind == "bool":
+        return bool | None, Field(None, description=help_)
     raise ValueError(f"no wire shape for knob kind {kind!r}")
 
 
@@ -75,6 +80,17 @@ _SamplingKnobs = create_model(  # the request fields of every SamplingParams kno
 )
 
 
+_UNSUPPORTED = "not supported: refused (400) unless it asks for the default behaviour"
+
+# The options this server does not implement, and the one value of each that asks for
+# nothing (the default behaviour), which is accepted.
+UNSUPPORTED: dict[str, Any] = {
+    "best_of": 1,
+    "suffix": "",
+    "xtc_probability": 0.0,  # mlx_lm.server's XTC sampling (its threshold acts only with it)
+}
+
+
 class SamplingFields(_SamplingKnobs):  # type: ignore[misc, valid-type]
     """Fields shared by chat and text completions (OpenAI names, plus mlx_lm.server's)."""
 
@@ -85,6 +101,7 @@ class SamplingFields(_SamplingKnobs):  # type: ignore[misc, valid-type]
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    xtc_probability: Any = Field(None, description=_UNSUPPORTED)
 
 
 class TextPart(_Body):
@@ -143,16 +160,6 @@ class JsonSchemaFormat(_Body):
 class ResponseFormat(_Body):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
-
-
-_UNSUPPORTED = "not supported: refused (400) unless it asks for the default behaviour"
-
-# The options this server does not implement, and the one value of each that asks for
-# nothing (the default behaviour), which is accepted.
-UNSUPPORTED: dict[str, Any] = {
-    "best_of": 1,
-    "suffix": "",
-}
 
 
 class ChatCompletionRequest(SamplingFields):
