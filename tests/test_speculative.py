@@ -170,8 +170,10 @@ def test_a_draft_model_prefills_long_prompts_a_chunk_per_unit(target, drafters):
 
 def test_seeded_sampling_with_deterministic_drafts_equals_plain_sampling(target, drafters):
     """Prompt lookup drafts are verified by each position's own keyed sample, so a seeded
-    row's tokens are plain sampling's at every depth, fixed or adaptive, alone or batched —
-    and the plain single-prompt path's (`tandem generate` with one prompt) too."""
+    row's tokens are plain sampling's at every depth, fixed or adaptive, alone or batched.
+    The plain single-prompt path draws the same way (`keyed_draws`), so on these prompts it
+    gives the same tokens too — not on every prompt: its arithmetic differs from the rows
+    engine's by rounding, and a draw at a boundary can go the other way (ARCHITECTURE)."""
     from mlx_tandem import generate
 
     prompts, _ = prompts_and_params(8, seed=5)

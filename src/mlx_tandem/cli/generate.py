@@ -55,8 +55,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=("auto", "plain", "rows"),
         default="auto",
         help="plain: mlx-lm's arithmetic, one prompt; rows: the batched engine, whose "
-        "output for a prompt is the same alone or in any batch (auto: plain for "
-        "one prompt, rows for several)",
+        "output for a prompt is the same alone, in any batch and speculated (auto: plain for "
+        "one prompt without a drafter, else rows; the two differ by rounding, so rarely a "
+        "token: docs/ARCHITECTURE.md)",
     )
     p.add_argument(
         "--verbose",
