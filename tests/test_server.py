@@ -343,6 +343,7 @@ CHAT_400 = [
     ({"messages": MSG, "stream": "maybe"}, "stream"),
     ('{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', "temperature"),
     ({"messages": MSG, "tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
 ]
 
 

@@ -239,6 +239,7 @@ BAD = [
         {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}, "messages[0].content[0]"),
     ({**MSG, "tools": A_TOOLS, "tool_choice": {"type": "tool"}}, "tool_choice.name"),
     ({**MSG, "tools": A_TOOLS, "tool_choice": {"type": "any"}}, "tool_choice 'any': this model has no tool"),
+    ({**MSG, "tools": A_TOOLS}, "tools: this model has no tool calling"),  # auto, as vLLM
     ({**MSG, "tools": [{"name": "f"}]}, "tools[0].input_schema"),
 ]  # fmt: skip
 

@@ -100,6 +100,12 @@ def reply_grammar(state: ServerState, body: S.ChatCompletionRequest) -> Grammar 
     function) or OpenAI's response_format (None for text). Schemas themselves are checked
     when the engine compiles them (a 400 naming response_format)."""
     choice = body.tool_choice
+    if body.tools and choice in (None, "auto") and state.tools is None:
+        raise ApiError(  # vLLM refuses it too: the model would never see a usable tool
+            400, "tools: this model has no tool calling (its tokenizer declares no tool-call "
+            "markers), so it could not call them; send no tools or tool_choice 'none'",
+            "tools", code="unsupported_parameter",
+        )  # fmt: skip
     if body.tools and choice is not None and choice not in ("none", "auto"):
         if state.tools is None:
             raise ApiError(
