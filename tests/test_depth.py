@@ -248,6 +248,33 @@ def test_a_step_that_takes_one_more_projection_call_is_priced_by_its_own_measure
     assert max(linear.depths(eight)) > 2
 
 
+def test_one_rows_turned_verifies_are_priced_apart_from_its_plain_ones():
+    """At one row, a verify of 2 or 3 slots runs its projections turned and costs about a
+    plain step (+10%), 4 slots run as they are (+45%): the small turned verifies are a cost
+    class of their own (pieces 0), so the policy drafts 2 (k = 3 does not pay even at 0.8
+    acceptance); one line for all depths (no small class) prices k = 3 from the cheap k = 1
+    and 2 and drafts 3 (the negative control)."""
+    def learned(small: int) -> AdaptiveDepth:
+        policy = AdaptiveDepth(3, quantum=30)
+        policy.small = small
+        one = rows(1, alpha=0.6)
+        policy.observe(one, [0], [0], 0.0, 0.040, 1)
+        for k, step_s in [(1, 0.043), (2, 0.046), (3, 0.060)] * 4:
+            policy.observe(one, [k], [0], 0.0, step_s, k + 1)
+        return policy
+
+    one = rows(1, alpha=0.8)
+    one[0].spec_offer = 1.0
+    priced = learned(3)
+    assert [priced.pieces(t) for t in (1, 2, 3, 4, 30, 31)] == [1, 0, 0, 1, 1, 2]
+    assert set(priced.costs[1].drafted) == {0, 1}
+    priced.steps = 1
+    assert priced.depths(one) == [2]
+    lumped = learned(0)
+    lumped.steps = 1
+    assert lumped.depths(one) == [3]
+
+
 def test_a_new_row_is_asked_soon_and_its_accepted_drafts_turn_drafting_on():
     """After a long chat load, probes have backed off to PROBE_MAX steps and new rows start
     from chat's low acceptance. A new row (a grounded request) is asked at the next step

@@ -16,7 +16,14 @@ from mlx_tandem.kv.attention import (
     narrowing_exact,
     stable_group_rows,
 )
-from mlx_tandem.models.invariance import MAX_WIDE, RowPlan, follow_plan, probe_plan, turned_form
+from mlx_tandem.models.invariance import (
+    MAX_WIDE,
+    SMALL_TURNED,
+    RowPlan,
+    follow_plan,
+    probe_plan,
+    turned_form,
+)
 
 pytestmark = pytest.mark.machine_blas  # the regime of this BLAS at its own thread count
 
@@ -50,13 +57,16 @@ def test_wide_calls_run_turned_and_each_row_keeps_its_one_row_result(bias):
     turned = turned_form(layer)
     plan = probe_plan(layer, 576, turned=turned)
     assert 0 < plan.chunk < 16 < plan.wide, plan  # the regime here: one turned call for 16 rows
-    # only calls the plain form would split run turned; no timing, so every build plans alike
-    assert plan.turned_from == plan.chunk + 1
+    # calls the plain form would split run turned, and 2-3-row calls; no timing, so every
+    # build plans alike
+    assert plan.turned_from == plan.chunk + 1 and plan.turned_small == SMALL_TURNED
+    assert [rows for rows in range(1, 40) if plan.turns(rows)] == [
+        2, 3, *range(plan.chunk + 1, 40)]
     assert probe_plan(layer, 576, turned=turned) == plan
     planned = follow_plan(layer, plan, BlockMode(), turned)
     x = mx.random.normal((96, 576), key=mx.random.key(7))
     alone = mx.concatenate([layer(x[i : i + 1]) for i in range(96)])
-    for rows in (1, 2, 5, plan.chunk, plan.chunk + 1, 16, plan.wide, plan.wide + 1, 64, 96):
+    for rows in (1, 2, 3, 4, 5, plan.chunk, plan.chunk + 1, 16, plan.wide, plan.wide + 1, 64, 96):
         for start in (0, 96 - rows):
             assert mx.array_equal(planned(x[start : start + rows]), alone[start : start + rows]).item()
     too_wide = follow_plan(
@@ -248,7 +258,8 @@ def test_the_narrowing_probe_refuses_a_product_that_splits_k_by_its_length():
 @pytest.mark.parametrize(
     "plan",
     [RowPlan(), RowPlan(pad_to=8), RowPlan(chunk=12), RowPlan(chunk=12, wide=30, turned_from=12),
-     RowPlan(chunk=6, wide=30, turned_from=4)],
+     RowPlan(chunk=6, wide=30, turned_from=4), RowPlan(chunk=12, wide=30, turned_from=13,
+                                                       turned_small=3)],
 )
 def test_as_is_says_exactly_when_a_plan_calls_the_function_as_it_is(plan):
     calls: list[tuple[str, int]] = []
@@ -267,3 +278,14 @@ def test_as_is_says_exactly_when_a_plan_calls_the_function_as_it_is(plan):
         calls.clear()
         planned(mx.ones((rows, 4)))
         assert plan.as_is(rows) == (calls == [("fn", rows)]), rows
+
+
+def test_the_head_keeps_its_small_calls_as_they_are(tiny_model):
+    """Projections run 2-3-row calls turned, the LM head as they are: turned it is no faster,
+    and an as-is call lets a greedy verify read exact logits (no certified second call)."""
+    from mlx_tandem.engine.runner import ModelRunner
+
+    runner = ModelRunner(tiny_model("llama"))
+    assert runner.small_turned == SMALL_TURNED
+    assert runner.head_plan is not None and runner.head_plan.turned_small == 0
+    assert runner.head_plan.as_is(2) and runner.head_plan.as_is(3)

@@ -91,6 +91,7 @@ class EngineCore:
         self.depth = depth or FixedDepth(3)
         if isinstance(self.depth, AdaptiveDepth):  # its step costs jump at whole projection calls
             self.depth.quantum = self.runner.row_quantum
+            self.depth.small = self.runner.small_turned
             if drafter is not None and not drafter.samples and hasattr(drafter, "propose"):
                 self.depth.shadow = drafter.propose  # free proposals: measured, not probed
         self.stats = EngineStats()

@@ -25,8 +25,9 @@ against k = 0 (plain decoding: every row emits one token at cost 1).
     per row, with f (a drafted step's own cost) and c fitted apart from measured steps
     (DraftCost). The line is kept per number of projection calls the step needs
     (ceil(slots / quantum): each call streams the weights again, so a step's cost jumps
-    where its slots cross a multiple of the runner's row quantum): a depth is priced by
-    the measurements of the calls it needs.
+    where its slots cross a multiple of the runner's row quantum), and apart for verifies
+    small enough to run turned (2-3 slots: models/invariance.SMALL_TURNED): a depth is
+    priced by the measurements of the calls it needs.
 The first drafted step drafts one token, so costs start from a measurement, not from
 zero; a bucket whose drafted steps are not measured yet prices them as the nearest
 measured bucket within a factor of two does (in plain steps) until it drafts, else it
@@ -194,6 +195,7 @@ class AdaptiveDepth:
         self._rows: dict[int, Request] = {}  # the last decision's shared rows (by id)
         self.quantum = quantum  # most rows one projection call takes (0: no limit); the engine
         # sets its runner's (ModelRunner.row_quantum)
+        self.small = 0  # verifies of 2 .. this many slots run turned (ModelRunner.small_turned)
         # what a new shared row is assumed to do until it is measured: the recent requests' mean
         # (each request is a new row; a fixed optimistic prior makes every one pay to learn)
         self.seen_alpha, self.seen_offer = prior, 1.0
@@ -280,7 +282,11 @@ class AdaptiveDepth:
         return self.costs[min(near, key=lambda b: (abs(b - bucket), b))] if near else None
 
     def pieces(self, tokens: float) -> int:
-        """Projection calls a verify of `tokens` real slots takes (1 without a quantum)."""
+        """Projection calls a verify of `tokens` real slots takes (1 without a quantum), and 0
+        for a verify of 2 .. `small` slots: one call, turned, a cost line of its own (at one
+        row, k = 1 and 2 cost about a plain step; k = 3 runs as it is, ~1.4x)."""
+        if 2 <= tokens <= self.small:
+            return 0
         return math.ceil(tokens / self.quantum) if self.quantum else 1
 
     def _cost(self, costs: StepCosts, rows: int, proposing: float) -> Callable[[int], float]:

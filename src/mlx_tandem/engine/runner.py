@@ -49,6 +49,7 @@ from mlx_tandem.models.invariance import (
     probe_plan,
     row_quantum,
     row_stable,
+    small_turned,
 )
 from mlx_tandem.models.loader import LoadedModel
 
@@ -71,6 +72,7 @@ class ModelRunner:
         self.hidden_dtype = getattr(embed, "scales", embed.weight).dtype
         self.pack_unit = 0  # prompts prefilled together: packed calls, at offsets of this unit
         self.row_quantum = 0  # most rows one projection call of a forward takes (0: any)
+        self.small_turned = 0  # calls of 2 .. this many rows run turned (models/invariance)
         self._last_ragged: tuple[tuple | None, Ragged | None] = (None, None)
         # the compiled decode forward: True until built, then it or False (not covered)
         self._decode: CompiledStep | bool = compiled and batch_invariant
@@ -84,6 +86,7 @@ class ModelRunner:
             stable, _ = row_stable(model.model, self.block, model.row_plans)
             self.pack_unit = pack_alignment(stable)
             self.row_quantum = row_quantum(stable)
+            self.small_turned = small_turned(stable)
             self.graph: MlxLmGraph = bind_graph(stable)
             self.head_plan = head_plan(stable)
             if self.head_plan is None:  # not planned with the projections: a tied quantized embedding

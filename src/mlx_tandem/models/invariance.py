@@ -11,8 +11,10 @@ A fast BLAS picks kernels by shape. Measured here, two regimes exist:
     The turned form `(W @ x.T).T` puts the rows on the BLAS call's other side,
     where (measured here) calls of 1 to 30 rows all equal the one-row result:
     calls of more than c rows run turned, in pieces of at most `wide` rows, so
-    16 rows stream each weight once instead of twice; calls of at most c rows
-    run as they are (no timing: the plan is the same in every build).
+    16 rows stream each weight once instead of twice; so do calls of 2 or 3 rows
+    (`SMALL_TURNED`: a k = 1 or 2 verify at one row, or 2-3 decoding rows, cost
+    about one row's step turned); the other calls of at most c rows run as they
+    are (no timing: the plan is the same in every build).
 `probe_plan` measures a projection once and returns its `RowPlan`.
 `row_stable(model)` returns a copy of the module tree (sharing every weight
 array) whose projections follow their plans and whose attention layers run the
@@ -42,7 +44,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -60,6 +62,7 @@ MAX_WIDE = 32
 PACK_SIZES = (48, 96, 144, 192, 384, 768)  # packed calls' row counts (past the base: its multiples)
 PACK_BASE = 192  # the packed call size that must hold for any packing
 MAX_PERIOD = 16
+SMALL_TURNED = 3  # calls of 2 .. this many rows run turned where exact (faster here: BENCHMARKS)
 PROJECTIONS = (nn.Linear, nn.QuantizedLinear)
 HEAD = "lm_head"  # an untied LM head's name in mlx-lm's models
 
@@ -74,15 +77,22 @@ class RowPlan:
     chunk: int = 0  # small-call regime (> 0): calls are split into pieces of <= chunk rows
     wide: int = 0  # small-call regime, turned form: exact for calls of 1 .. wide rows
     turned_from: int = 0  # calls of this many rows or more run turned (pieces <= wide); 0: never
+    turned_small: int = 0  # ... and so do calls of 2 .. turned_small rows
     pack: tuple[int, ...] = ()  # prompts prefilled together: calls of these sizes (padded) ...
     period: int = 0  # ... in which a row's result depends only on its position mod `period`
 
     def as_is(self, rows: int) -> bool:
         """Whether a decode or verify call of `rows` rows runs the function as it is (one
         call, no padding, not turned)."""
-        turned = self.turned_from and rows >= self.turned_from
+        turned = self.turns(rows)
         split = self.chunk and rows > self.chunk
         return not turned and not split and rows >= self.pad_to
+
+    def turns(self, rows: int) -> bool:
+        """Whether a decode or verify call of `rows` rows runs turned."""
+        return bool(self.turned_from) and (
+            rows >= self.turned_from or 2 <= rows <= self.turned_small
+        )
 
 
 def probe_plan(
@@ -116,7 +126,8 @@ def probe_plan(
     # Turned only where the plain form would split; calls of at most `chunk` rows run as
     # they are. Not timed: a timed choice differed from build to build on a noisy machine
     # (docs/BENCHMARKS.md, session 18), and the plan must be the same in every build.
-    return RowPlan(chunk=chunk, wide=wide, turned_from=chunk + 1, pack=pack, period=period)
+    return RowPlan(chunk=chunk, wide=wide, turned_from=chunk + 1,
+                   turned_small=min(SMALL_TURNED, wide), pack=pack, period=period)
 
 
 def _probe_rows(rows: int, in_dims: int, dtype: mx.Dtype) -> mx.array:
@@ -231,7 +242,7 @@ def follow_plan(fn: Fn, plan: RowPlan, block: BlockMode, turned: Fn | None = Non
             return _packed(fn, flat, plan.pack)
         if plan.as_is(rows):
             return None
-        if plan.turned_from and rows >= plan.turned_from and not block.on:
+        if plan.turns(rows) and not block.on:
             return _pieces(turned, flat, plan.wide)
         if plan.chunk and rows > plan.chunk and not block.on:
             return _pieces(fn, flat, plan.chunk)
@@ -297,6 +308,15 @@ def row_quantum(stable: nn.Module) -> int:
     return min((q for q in sizes if q), default=0)
 
 
+def small_turned(stable: nn.Module) -> int:
+    """The most rows of a call that every planned projection (the LM head aside) runs
+    turned as a small call (`RowPlan.turned_small`; 0: none): a verify of 2 .. this many
+    real slots costs about one row's step, more slots a step of their own."""
+    sizes = [m.plan.turned_small for name, m in stable.named_modules()
+             if isinstance(m, RowStableProjection) and name.split(".")[-1] != HEAD]
+    return min(sizes, default=0)
+
+
 def _pieces(fn: Fn, flat: mx.array, most: int) -> mx.array:
     """fn over flat's rows in even pieces of at most `most` rows (every such size is exact)."""
     rows = flat.shape[0]
@@ -351,21 +371,24 @@ def stable_projections(
     head = _token_embedding(model) if is_tied(model) else None
     threads = blas_threads()
 
-    def plan(m: nn.Module, fn: Fn, packable: bool) -> RowPlan:
+    def plan(m: nn.Module, fn: Fn, packable: bool, head: bool = False) -> RowPlan:
         key = (type(m).__name__, tuple(m.weight.shape), getattr(m, "bits", None), "bias" in m,
                str(_dtype(m)), packable, threads)
         if key not in plans:
             plans[key] = probe_plan(fn, _in_dims(m), _dtype(m), turned_form(m), packable)
-        return plans[key]
+        # the LM head's 2-3-row calls stay as they are: turned they are no faster, and an
+        # as-is call lets a greedy verify read the exact logits instead of certifying picks
+        # from a second, fast call (engine/runner.greedy_picks): measured, BENCHMARKS session 26
+        return replace(plans[key], turned_small=0) if head else plans[key]
 
     def rebuild(module: nn.Module, packable: bool = True) -> nn.Module:
         """`packable`: runs in packed prefills (every projection but the LM head, which a
         prefill never calls)."""
         if isinstance(module, PROJECTIONS):
-            p = plan(module, module, packable)
+            p = plan(module, module, packable, head=not packable)
             return module if p == RowPlan() else RowStableProjection(module, p, block)
         if module is head and type(module) is nn.Embedding:
-            return _stable_embedding(module, plan(module, module.as_linear, False), block)
+            return _stable_embedding(module, plan(module, module.as_linear, False, head=True), block)
         out = copy.copy(module)  # shares arrays; children replaced below, never mutated
         for key, value in module.items():
             if isinstance(value, nn.Module):
