@@ -1,12 +1,13 @@
 """The `tandem` CLI: --json output, mlx_lm-compatible flags, one-line errors and exit codes."""
 
+import argparse
 import json
 import subprocess
 import sys
 
 import pytest
 
-from mlx_tandem.cli.main import main
+from mlx_tandem.cli.main import build_parser, main
 from mlx_tandem.models.tiny import make_tiny_model, tiny_tokenizer
 
 
@@ -228,6 +229,26 @@ def test_chat_json_schema_runs_constrained_turns(capsys, monkeypatch, tiny_folde
     assert code == 0 and "error" not in err, err
     replies = out.splitlines()
     assert len(replies) == 2 and all(r.startswith("{") for r in replies), out
+
+
+def test_chat_defaults_are_mlx_lm_chats_and_a_session_replays(capsys, monkeypatch, tiny_folder):
+    """256 tokens a turn and seed 0, as mlx_lm.chat: the same turns, sampled, reply the same."""
+    import io
+
+    from mlx_lm.chat import setup_arg_parser
+
+    theirs = setup_arg_parser().parse_args([])
+    chat = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    ours = chat.choices["chat"].parse_args([])
+    assert (ours.max_tokens, ours.seed) == (theirs.max_tokens, theirs.seed) == (256, 0)
+    replies = []
+    for _ in range(2):
+        monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nhello\n"))
+        code, out, _ = run_cli(capsys, "chat", "--model", str(tiny_folder), "--max-tokens", "8",
+                               "--temp", "1.0")
+        assert code == 0
+        replies.append(out)
+    assert replies[0] == replies[1] and replies[0].strip()
 
 
 @pytest.mark.parametrize("minutes", ["inf", "0", "-1", "nan"])

@@ -1,4 +1,5 @@
-"""`tandem chat`: an interactive multi-turn chat on stdin/stdout (like mlx_lm.chat).
+"""`tandem chat`: an interactive multi-turn chat on stdin/stdout (like mlx_lm.chat, and with
+its defaults: 256 tokens a turn, seed 0, so a session with the same turns replies the same).
 
 Turns run on the plain path (mlx-lm's arithmetic); with --json-schema they run on the
 rows engine, the decoding path that takes a grammar (as `tandem generate` does).
@@ -20,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="interactive chat (/reset clears, /exit or EOF quits)")
     add_model_flags(p)
     p.add_argument("--system-prompt", default=None, help="a system message opening the chat")
-    add_sampling_flags(p, max_tokens=512)
+    add_sampling_flags(p, max_tokens=256, seed=0)  # mlx_lm.chat's: a session is reproducible
     p.set_defaults(run=run)
 
 

@@ -43,13 +43,15 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_flags(
-    p: argparse.ArgumentParser, max_tokens: int = 100, *, server: bool = False
+    p: argparse.ArgumentParser, max_tokens: int = 100, *, server: bool = False,
+    seed: int | None = None,
 ) -> None:
-    """One flag per SamplingParams knob that has a CLI spelling (mlx_lm.generate's names).
+    """One flag per SamplingParams knob that has a CLI spelling (mlx_lm.generate's names);
+    `max_tokens` and `seed`: the command's defaults (mlx_lm.chat's differ from generate's).
 
     server=True: only the knobs `tandem serve` takes as server-wide defaults.
     """
-    base = SamplingParams(max_tokens=max_tokens)
+    base = SamplingParams(max_tokens=max_tokens, seed=seed)
     for name, (k, _) in knobs().items():
         if not k.flags or (server and not k.server):
             continue
