@@ -123,8 +123,8 @@ def probe_plan(
     wide = _exact_up_to(turned, x, single, 0, MAX_WIDE, (3,)) if turned is not None else 0
     if turned is None or wide <= chunk:
         return RowPlan(chunk=chunk, pack=pack, period=period)
-    # Turned only where the plain form would split; calls of at most `chunk` rows run as
-    # they are. Not timed: a timed choice differed from build to build on a noisy machine
+    # Turned where the plain form would split, and for calls of 2 .. SMALL_TURNED rows; the
+    # other calls of at most `chunk` rows run as they are. Not timed: a timed choice differed from build to build on a noisy machine
     # (docs/BENCHMARKS.md, session 18), and the plan must be the same in every build.
     return RowPlan(chunk=chunk, wide=wide, turned_from=chunk + 1,
                    turned_small=min(SMALL_TURNED, wide), pack=pack, period=period)
@@ -371,7 +371,7 @@ def stable_projections(
     head = _token_embedding(model) if is_tied(model) else None
     threads = blas_threads()
 
-    def plan(m: nn.Module, fn: Fn, packable: bool, head: bool = False) -> RowPlan:
+    def plan(m: nn.Module, fn: Fn, packable: bool, is_head: bool = False) -> RowPlan:
         key = (type(m).__name__, tuple(m.weight.shape), getattr(m, "bits", None), "bias" in m,
                str(_dtype(m)), packable, threads)
         if key not in plans:
@@ -379,16 +379,16 @@ def stable_projections(
         # the LM head's 2-3-row calls stay as they are: turned they are no faster, and an
         # as-is call lets a greedy verify read the exact logits instead of certifying picks
         # from a second, fast call (engine/runner.greedy_picks): measured, BENCHMARKS session 26
-        return replace(plans[key], turned_small=0) if head else plans[key]
+        return replace(plans[key], turned_small=0) if is_head else plans[key]
 
     def rebuild(module: nn.Module, packable: bool = True) -> nn.Module:
         """`packable`: runs in packed prefills (every projection but the LM head, which a
         prefill never calls)."""
         if isinstance(module, PROJECTIONS):
-            p = plan(module, module, packable, head=not packable)
+            p = plan(module, module, packable, is_head=not packable)
             return module if p == RowPlan() else RowStableProjection(module, p, block)
         if module is head and type(module) is nn.Embedding:
-            return _stable_embedding(module, plan(module, module.as_linear, False, head=True), block)
+            return _stable_embedding(module, plan(module, module.as_linear, False, is_head=True), block)
         out = copy.copy(module)  # shares arrays; children replaced below, never mutated
         for key, value in module.items():
             if isinstance(value, nn.Module):
