@@ -77,7 +77,8 @@ def add_sampling_flags(
 
 
 def sampling_values(args: argparse.Namespace) -> dict[str, Any]:
-    """The parsed sampling flags as SamplingParams keyword arguments (`off` values -> None)."""
+    """The parsed sampling flags as SamplingParams keyword arguments (which reads a knob's
+    `off` value as off)."""
     values: dict[str, Any] = {}
     for name, (k, _) in knobs().items():
         if not k.flags or not hasattr(args, name):
@@ -87,8 +88,6 @@ def sampling_values(args: argparse.Namespace) -> dict[str, Any]:
             value = _logit_bias(value)
         elif k.kind == "strings":
             value = tuple(value)
-        elif k.off is not None and value == k.off:
-            value = None
         values[name] = value
     return values
 

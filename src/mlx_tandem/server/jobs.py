@@ -89,9 +89,7 @@ def request_values(body: S.SamplingFields, vocab: int) -> dict[str, Any]:
             value = tuple([value] if isinstance(value, str) else value)
         elif k.kind == "ids":
             value = tuple(value)
-        elif k.off is not None and value == k.off:
-            value = None
-        values[name] = value
+        values[name] = value  # SamplingParams reads a knob's `off` value as off
     return values
 
 
