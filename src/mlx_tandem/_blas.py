@@ -15,12 +15,12 @@ exact rows engine could not run. Its matmul is ~30% slower there (185 -> 131 GFL
 Environment: TANDEM_BLAS=auto (default) | off | /path/to/libblas.so; OpenBLAS reads its own
 OPENBLAS_NUM_THREADS and OPENBLAS_CORETYPE. A path that cannot be loaded does not fail the
 import (the CLI could not say so in one line): MLX keeps its reference BLAS, `BlasInfo.error`
-says why, and `check_blas_setting` (called by `load` and by every `tandem` command) raises it. `blas_threads` / `set_blas_threads` read and set
-that count.
+says why, and `check_blas_setting` (called by `load` and by every `tandem` command) raises
+it. `blas_threads` / `set_blas_threads` read and set that count.
 Oracle: tests/test_blas.py (OpenBLAS preloaded by default and mapped into the
 process; TANDEM_BLAS=off and mlx-imported-first keep the reference BLAS; a bad
-path is an error when loading a model, not at import; an AVX-512 CPU gets the Haswell kernels unless the user chose, and
-under the AVX-512 ones attention is not batch-invariant). Parity with mlx-lm under it: tests/test_generate_parity.py.
+path is an error when loading a model, not at import; an AVX-512 CPU gets the Haswell
+kernels unless the user chose, and under the AVX-512 ones attention is not batch-invariant). Parity with mlx-lm under it: tests/test_generate_parity.py.
 """
 
 from __future__ import annotations

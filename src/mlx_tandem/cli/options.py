@@ -194,7 +194,8 @@ def add_draft_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--draft-depth", choices=("fixed", "adaptive"), default="fixed",
                    help="fixed: every row drafts --num-draft-tokens; adaptive: as deep as each "
-                   "row's measured acceptance pays for, off where it does not (default %(default)s)")
+                   "row's measured acceptance pays for, off where it does not "
+                   "(default %(default)s)")
 
 
 def runtime_config(args: argparse.Namespace):

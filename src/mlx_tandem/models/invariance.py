@@ -124,7 +124,8 @@ def probe_plan(
     if turned is None or wide <= chunk:
         return RowPlan(chunk=chunk, pack=pack, period=period)
     # Turned where the plain form would split, and for calls of 2 .. SMALL_TURNED rows; the
-    # other calls of at most `chunk` rows run as they are. Not timed: a timed choice differed from build to build on a noisy machine
+    # other calls of at most `chunk` rows run as they are. Not timed: a timed choice
+    # differed from build to build on a noisy machine
     # (docs/BENCHMARKS.md, session 18), and the plan must be the same in every build.
     return RowPlan(chunk=chunk, wide=wide, turned_from=chunk + 1,
                    turned_small=min(SMALL_TURNED, wide), pack=pack, period=period)
@@ -388,7 +389,8 @@ def stable_projections(
             p = plan(module, module, packable, is_head=not packable)
             return module if p == RowPlan() else RowStableProjection(module, p, block)
         if module is head and type(module) is nn.Embedding:
-            return _stable_embedding(module, plan(module, module.as_linear, False, is_head=True), block)
+            linear_plan = plan(module, module.as_linear, False, is_head=True)
+            return _stable_embedding(module, linear_plan, block)
         out = copy.copy(module)  # shares arrays; children replaced below, never mutated
         for key, value in module.items():
             if isinstance(value, nn.Module):
