@@ -15,6 +15,7 @@ from mlx_tandem.kv.attention import (
     narrow_chunks_exact,
     narrowing_exact,
     stable_group_rows,
+    stable_turned_rows,
 )
 from mlx_tandem.models.invariance import (
     MAX_WIDE,
@@ -224,6 +225,33 @@ def test_the_grouping_must_be_probed():
     inexact = [r for r in GROUP_ROW_CHOICES if attention_mismatches(r, [70, 300, 1000], 9, 9, 3, 64)]
     assert inexact
     assert stable_group_rows(64, 9, 3, "mlx.core.float32") not in inexact
+
+
+@pytest.mark.parametrize("L", [2, 3, 5, 9])
+def test_float_attention_runs_in_turned_groups_each_row_as_alone(L):
+    """Float keys and values attend in turned groups (`keys @ q^T`, `v^T @ p^T`) of up to
+    `stable_turned_rows` query rows, more than the as-is form's exact groups here, and
+    every row's output is its one-query result. Negative control: one turned call for all
+    of a (row, kv head)'s query rows (past the probed size) is not exact."""
+    turned = stable_turned_rows(64, 64, "mlx.core.float32")
+    assert turned > stable_group_rows(64, 9, 3, "mlx.core.float32")
+    lens = [70, 300, 129, 1000, 64, 511, 2000, 3]
+    assert attention_mismatches(1, lens, L, 9, 3, 64, turned_rows=turned) == 0
+    if turned < L * 3:
+        assert attention_mismatches(1, lens, L, 9, 3, 64, turned_rows=L * 3) > 0
+
+
+def test_the_turned_groups_are_attention():
+    """Turned, as it is, and mlx's fused attention agree to rounding (a turned group is a
+    regrouping of the same products, not another function)."""
+    k1, k2, k3 = mx.random.split(mx.random.key(8), 3)
+    q, k, v = (mx.random.normal((2, 9, 3, 64), key=k1), mx.random.normal((2, 3, 200, 64), key=k2),
+               mx.random.normal((2, 3, 200, 64), key=k3))
+    valid = mx.broadcast_to(mx.arange(200)[None, None, None] < 190, (2, 1, 3, 200))
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=valid)
+    for turned in (0, stable_turned_rows(64, 64, "mlx.core.float32")):
+        got = invariant_attention(q, k, v, 0.125, valid, turned_rows=turned)
+        assert mx.allclose(got, want, atol=1e-5).item()
 
 
 @pytest.mark.parametrize("W", [9, 64, 130, 256, 300, 577])

@@ -10,6 +10,11 @@ such dependence:
     cut into groups of exactly `group_rows` rows (the last padded with zeros),
     and every group is its own matmul of one fixed shape, so a query row's
     scores never depend on how many queries, rows or positions share the call;
+    for float keys and values, where more rows are exact turned (`keys @ q^T`,
+    `v^T @ p^T`: the queries on the BLAS call's other side, where every call of
+    1 .. `stable_turned_rows` rows gives a row its one-row bits, 7 here against
+    3 as it is), the groups are turned and even, up to that many rows: a 2-token
+    verify's 6 query rows per kv head take one call instead of two;
   * `p v` is summed over fixed KEY_CHUNK-wide key chunks, each a matmul of one
     shape, added in order (a BLAS splits a long inner dimension at points that
     depend on its total length; trailing masked chunks add exact zeros); the last
@@ -35,7 +40,8 @@ chunk boundaries alone (see kv/row_cache.RowKVCache.block). `BlockMode` and
 verify block's real slots) to the projections and attention routes that read it.
 
 Oracle: tests/test_invariance.py (a row's output alone == batched == one query
-at a time; the probe's choice is needed: one shared matmul is not exact here;
+at a time, as it is and turned; the probes' choices are needed: one shared matmul,
+or one turned call past the probed rows, is not exact here;
 a ragged call keeps real slots' bits; a narrowed last chunk gives the whole
 chunk's bits, and the probe refuses a product that splits K by its length).
 """
@@ -49,9 +55,13 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mlx_tandem._blas import blas_threads
+
 GROUP_ROW_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16)  # rows of one score / p.v matmul
 KEY_CHUNK = 256  # `p v` is summed over fixed-size key chunks, in order
 KEY_SPAN = 64  # scores and softmax read key columns in whole spans (callers' widths)
+TURNED_ROWS_MOST = 16  # the most query rows one turned product may take (probed down)
+PROBE_KEYS = [70, 300, 2000, 3]  # the rows' key counts the exactness probes attend
 
 
 @dataclass
@@ -176,48 +186,60 @@ def invariant_attention(
     group_rows: int | None = None,
     sinks: mx.array | None = None,
     softcap: float | None = None,
+    turned_rows: int | None = None,
 ) -> mx.array:
     """queries (B, H, L, D); keys/values (B, Hkv, W, D); valid (B, 1, L, W) bool -> (B, H, L, D).
 
     sinks (H,): attention sinks (gpt_oss), one logit per query head that joins every
     softmax as column 0 and takes no value. softcap: scores become
-    `tanh(scores / softcap) * softcap` before the mask (Gemma 2)."""
+    `tanh(scores / softcap) * softcap` before the mask (Gemma 2). group_rows / turned_rows:
+    the two forms' groupings (probed where None; turned_rows 0: the as-is form only)."""
     B, H, L, D = queries.shape
     Hkv, Dv = keys.shape[1], values.shape[3]
     rep = H // Hkv
+    dtype = str(queries.dtype)
     if group_rows is None:
-        group_rows = stable_group_rows(D, H, Hkv, str(queries.dtype))
+        group_rows = stable_group_rows(D, H, Hkv, dtype)
+    turned = 0
+    if not isinstance(keys, Packed) and not isinstance(values, Packed):
+        turned = stable_turned_rows(D, Dv, dtype) if turned_rows is None else turned_rows
+    turned = turned if turned > group_rows else 0  # turned only where it takes fewer calls
     W = keys.shape[2]  # scores and softmax: the keys given (trailing masked ones weigh 0)
     R = rep * L
-    G = -(-R // group_rows)
-    pad = G * group_rows - R
+    # as it is, every group holds exactly `group_rows` rows; turned, a group may hold any
+    # number up to `turned` (each row gets its one-row bits): even groups, fewest calls
+    size = -(-R // -(-R // turned)) if turned else group_rows
+    G = -(-R // size)
+    pad = G * size - R
     q = (queries * scale).reshape(B, Hkv, R, D)
     ok = mx.broadcast_to(valid[:, :, None], (B, 1, rep, L, W)).reshape(B, 1, R, W)
     if pad:  # padding rows only fill the last group; they see one key so softmax stays finite
         q = mx.concatenate([q, mx.zeros((B, Hkv, pad, D), q.dtype)], axis=2)
         first_key = mx.broadcast_to(mx.arange(W) == 0, (B, 1, pad, W))
         ok = mx.concatenate([ok, first_key], axis=2)
-    q = q.reshape(B, Hkv, G, group_rows, D)
+    q = q.reshape(B, Hkv, G, size, D)
     if isinstance(keys, Packed):
-        scores = keys.scores(q).reshape(B, Hkv, G * group_rows, W)
+        scores = keys.scores(q).reshape(B, Hkv, G * size, W)
     else:
         kt = mx.broadcast_to(keys.swapaxes(-1, -2)[:, :, None], (B, Hkv, G, D, W))
-        scores = (q @ kt).reshape(B, Hkv, G * group_rows, W)
+        scores = _times(q, kt, turned).reshape(B, Hkv, G * size, W)
     if softcap:
         scores = mx.tanh(scores / softcap) * softcap
     if sinks is not None:  # query row r of kv head k is head k * rep + r // L
         scores = mx.where(ok, scores, mx.array(-mx.inf, scores.dtype))
         col = mx.repeat(sinks.astype(scores.dtype).reshape(Hkv, rep), L, axis=1)
         col = mx.concatenate([col, mx.zeros((Hkv, pad), col.dtype)], axis=1)
-        col = mx.broadcast_to(col[None, :, :, None], (B, Hkv, G * group_rows, 1))
+        col = mx.broadcast_to(col[None, :, :, None], (B, Hkv, G * size, 1))
         probs = mx.softmax(mx.concatenate([col, scores], axis=-1), axis=-1, precise=True)
         probs = probs[..., 1:]
     else:
         probs = masked_softmax(scores, ok)
-    probs = probs.reshape(B, Hkv, G, group_rows, W)
-    weigh = _packed_values if isinstance(values, Packed) else _float_values
-    out = weigh(probs, values)  # (B, Hkv, G, group_rows, Dv)
-    out = out.reshape(B, Hkv, G * group_rows, Dv)[:, :, :R]
+    probs = probs.reshape(B, Hkv, G, size, W)
+    if isinstance(values, Packed):
+        out = _packed_values(probs, values)  # (B, Hkv, G, size, Dv)
+    else:
+        out = _float_values(probs, values, turned)
+    out = out.reshape(B, Hkv, G * size, Dv)[:, :, :R]
     return out.reshape(B, H, L, Dv)
 
 
@@ -264,15 +286,23 @@ def _in_order(parts: mx.array) -> mx.array:
     return out
 
 
-def _float_values(probs: mx.array, values: mx.array) -> mx.array:
+def _times(a: mx.array, b: mx.array, turned: int) -> mx.array:
+    """a @ b, or where `turned`, `(b^T @ a^T)^T`: a's rows on the BLAS call's other side."""
+    if not turned:
+        return a @ b
+    return (b.swapaxes(-1, -2) @ a.swapaxes(-1, -2)).swapaxes(-1, -2)
+
+
+def _float_values(probs: mx.array, values: mx.array, turned: int = 0) -> mx.array:
     """p v over whole KEY_CHUNKs, the last one only as wide as the scored keys need (whole
     KEY_SPANs): a chunk's product does not change when zero-weighted columns are dropped
     from its end (one K block of the BLAS, accumulated in order; probed by
     tests/test_invariance.py), and chunks wholly past the scored keys would add exact
-    zeros. Short rows read a fraction of a chunk's values."""
+    zeros. Short rows read a fraction of a chunk's values. `turned`: the products run
+    turned (`_times`), in groups of at most that many rows."""
     B, Hkv, G, rows, W = probs.shape
     Dv = values.shape[3]
-    unit = KEY_SPAN if narrow_chunks_exact(Dv, str(values.dtype)) else KEY_CHUNK
+    unit = KEY_SPAN if narrow_chunks_exact(Dv, str(values.dtype), turned) else KEY_CHUNK
     need = -(-W // unit) * unit
     if need > W:  # columns past the scored ones weigh exactly 0
         probs = mx.concatenate([probs, mx.zeros((B, Hkv, G, rows, need - W), probs.dtype)], -1)
@@ -283,9 +313,9 @@ def _float_values(probs: mx.array, values: mx.array) -> mx.array:
     out = None
     if whole:
         v = values[:, :, :whole].reshape(B, Hkv, 1, whole // KEY_CHUNK, KEY_CHUNK, Dv)
-        out = _in_order(_chunked_probs(probs[..., :whole], whole) @ v)
+        out = _in_order(_times(_chunked_probs(probs[..., :whole], whole), v, turned))
     if need > whole:  # the last chunk, narrowed
-        part = probs[..., whole:] @ values[:, :, None, whole:need]
+        part = _times(probs[..., whole:], values[:, :, None, whole:need], turned)
         out = part if out is None else out + part
     assert out is not None
     return out
@@ -339,8 +369,10 @@ def attention_mismatches(
     Hkv: int,
     D: int,
     dtype: mx.Dtype = mx.float32,
+    turned_rows: int | None = None,
 ) -> int:
-    """How many (row, query) outputs differ between one batched block call and one-query calls."""
+    """How many (row, query) outputs differ between one batched block call and one-query calls
+    (`turned_rows` as invariant_attention takes it)."""
     k1, k2, k3 = mx.random.split(mx.random.key(sum(lens) + L), 3)
     B, S = len(lens), max(lens) + L
     q = mx.random.normal((B, H, L, D), key=k1).astype(dtype)
@@ -348,7 +380,7 @@ def attention_mismatches(
     v = mx.random.normal((B, Hkv, S, D), key=k3).astype(dtype)
     qpos = mx.array(lens)[:, None] + mx.arange(L)[None]
     valid = (mx.arange(S)[None, None] <= qpos[:, :, None])[:, None]
-    out = invariant_attention(q, k, v, 0.125, valid, group_rows)
+    out = invariant_attention(q, k, v, 0.125, valid, group_rows, turned_rows=turned_rows)
     bad = 0
     for i, n in enumerate(lens):
         for j in range(L):
@@ -361,27 +393,36 @@ def attention_mismatches(
                 0.125,
                 va,
                 group_rows,
+                turned_rows=turned_rows,
             )
             bad += not mx.array_equal(alone, out[i : i + 1, :, j : j + 1]).item()
     return bad
 
 
 @functools.cache
-def narrow_chunks_exact(Dv: int, dtype: str) -> bool:
+def narrow_chunks_exact(Dv: int, dtype: str, turned: int = 0) -> bool:
     """Whether `p v` over a key chunk whose trailing columns weigh 0 gives the same bits with
-    those columns dropped (whole KEY_SPANs kept), here: probed once per value shape.
-    True for a BLAS that accumulates one K block in order (OpenBLAS here); a kernel that
-    splits K by its length (a GPU's reduction) keeps whole chunks."""
-    return narrowing_exact(mx.matmul, Dv, getattr(mx, dtype.rsplit(".", 1)[-1]))
+    those columns dropped (whole KEY_SPANs kept), here: probed once per value shape and
+    form (`turned`: the turned products, groups of 1 .. that many rows). True for a BLAS
+    that accumulates one K block in order (OpenBLAS here); a kernel that splits K by its
+    length (a GPU's reduction) keeps whole chunks."""
+    if not turned:
+        return narrowing_exact(mx.matmul, Dv, _dtype(dtype))
+    return narrowing_exact(lambda a, b: _times(a, b, turned), Dv, _dtype(dtype),
+                           tuple(range(1, turned + 1)))
+
+
+def _dtype(name: str) -> mx.Dtype:
+    return getattr(mx, name.rsplit(".", 1)[-1])
 
 
 def narrowing_exact(matmul: Callable[[mx.array, mx.array], mx.array], Dv: int,
-                    dtype: mx.Dtype) -> bool:
+                    dtype: mx.Dtype, group_rows: tuple[int, ...] = GROUP_ROW_CHOICES) -> bool:
     """The probe behind `narrow_chunks_exact`, for any matmul: every group size, narrowed
     widths and rows using 1 .. width columns, batched as the rows attention calls it."""
     k1, k2 = mx.random.split(mx.random.key(Dv))
     values = mx.random.normal((2, 3, 1, KEY_CHUNK, Dv), key=k2).astype(dtype)
-    for rows in GROUP_ROW_CHOICES:
+    for rows in group_rows:
         probs = mx.random.uniform(shape=(2, 3, 4, rows, KEY_CHUNK), key=k1).astype(dtype)
         for width in range(KEY_SPAN, KEY_CHUNK, KEY_SPAN):
             for used in (1, width - KEY_SPAN + 1, width):
@@ -399,7 +440,7 @@ def stable_group_rows(D: int, H: int, Hkv: int, dtype: str) -> int:
     Among the exact sizes, the smallest that holds one position's rep query rows
     (one decode step is one matmul); else the largest exact size below it.
     """
-    mxdtype = getattr(mx, dtype.rsplit(".", 1)[-1])
+    mxdtype = _dtype(dtype)
     rep = H // Hkv
     exact = [
         rows
@@ -407,7 +448,7 @@ def stable_group_rows(D: int, H: int, Hkv: int, dtype: str) -> int:
         if all(
             # a 2,000-key row: OpenBLAS's AVX-512 sgemm changes a short row's scores
             # only when a row that long shares its call (tests/test_blas.py)
-            attention_mismatches(rows, [70, 300, 2000, 3], L, H, Hkv, D, mxdtype) == 0
+            attention_mismatches(rows, PROBE_KEYS, L, H, Hkv, D, mxdtype, turned_rows=0) == 0
             for L in (1, 3, 9)
         )
     ]
@@ -418,3 +459,44 @@ def stable_group_rows(D: int, H: int, Hkv: int, dtype: str) -> int:
         )
     holding = [rows for rows in exact if rows >= rep]
     return min(holding) if holding else max(exact)
+
+
+def stable_turned_rows(D: int, Dv: int, dtype: str) -> int:
+    """The most query rows one turned product takes (`keys @ q^T`, `v^T @ p^T`; at most
+    TURNED_ROWS_MOST): every call of 1 .. that many rows gives each row its one-row bits
+    at key widths from a few to thousands, and whole attentions in such groups equal one
+    query at a time (probed once per head shape and BLAS thread count; 7 here). 0 where
+    that is one row, or values are not keys' width (BENCHMARKS, session 27)."""
+    return _turned_rows(D, Dv, dtype, blas_threads())
+
+
+@functools.cache
+def _turned_rows(D: int, Dv: int, dtype: str, threads: int) -> int:
+    mxdtype = _dtype(dtype)
+    k1, k2, k3, k4 = mx.random.split(mx.random.key(D + Dv), 4)
+    q = mx.random.normal((TURNED_ROWS_MOST, D), key=k1).astype(mxdtype)
+    p = mx.random.uniform(shape=(TURNED_ROWS_MOST, KEY_CHUNK), key=k2).astype(mxdtype)
+    most = TURNED_ROWS_MOST
+    for width in (*PROBE_KEYS, KEY_SPAN, KEY_CHUNK, 640):
+        keys = mx.random.normal((width, D), key=k3).astype(mxdtype)
+        most = _turned_exact_up_to(keys, q, most)
+    for width in range(KEY_SPAN, KEY_CHUNK + 1, KEY_SPAN):
+        values_t = mx.random.normal((width, Dv), key=k4).astype(mxdtype).T
+        most = _turned_exact_up_to(values_t, p[:, :width], most)
+    if most <= 1 or Dv != D:  # the whole-attention probe below attends with Dv == D
+        return 0
+    # one position's query rows fill a group (rep = most); three positions, three groups
+    if any(attention_mismatches(1, PROBE_KEYS, L, 3 * most, 3, D, mxdtype, turned_rows=most)
+           for L in (1, 3)):
+        return 0
+    return most
+
+
+def _turned_exact_up_to(a: mx.array, x: mx.array, most: int) -> int:
+    """The largest n <= most such that `a @ x[:m].T` for every m <= n gives each column the
+    bits of its own one-column call."""
+    single = mx.concatenate([a @ x[j : j + 1].T for j in range(most)], axis=1)
+    for m in range(2, most + 1):
+        if not mx.array_equal(a @ x[:m].T, single[:, :m]).item():
+            return m - 1
+    return most
