@@ -9,7 +9,9 @@ Per B it reports, in ms per step:
                 pass: each layer's attention timed on its own, its inputs evaluated first);
   * padding   — forward with batch invariance on minus off (projections' row padding and the
                 invariant attention's fixed shapes cost this much);
-  * logits    — the LM head over the verified slots;
+  * head      — the LM head as the step uses it: the certified greedy picks' one fast call
+                where the engine makes it (exact logits then only for unsure rows, inside
+                verify), else the exact logits over the verified slots;
   * verify    — sampling/acceptance including its host read;
   * host      — the rest of the phased step: building inputs, ends, postprocess, text.
 Phases are measured by evaluating at their boundaries, which removes the overlap the real
@@ -82,18 +84,38 @@ def step_ms(core: EngineCore, steps: int) -> float:
 
 
 def phases(core: EngineCore, steps: int) -> dict[str, float]:
+    """Seconds per phase. `head`: what the step's verify reads from the LM head — the
+    certified picks' one fast call where the engine makes it (the exact logits stay lazy
+    and are computed, inside `verify`, only for unsure rows), else the exact logits."""
     timer = Timer()
     runner = core.runner
-    forward, logits, verify = runner.forward, runner.logits, core_module.verify
+    forward, certified, verify = runner.forward, core._certified, core_module.verify
     runner.forward = timer.wrap("forward", forward)
-    runner.logits = timer.wrap("logits", logits)
-    core_module.verify = timer.wrap("verify", verify)
+
+    def picks(*args):
+        start = time.perf_counter()
+        found = certified(*args)
+        if found is not None:
+            mx.eval(found.picks, found.unsure)
+        timer.total["head"] = timer.total.get("head", 0.0) + time.perf_counter() - start
+        return found
+
+    def timed_verify(requests, logits, *args):
+        if len(args) < 4 or args[3] is None:  # no certified picks: verify reads the logits
+            start = time.perf_counter()
+            mx.eval(logits)
+            timer.total["head"] = timer.total.get("head", 0.0) + time.perf_counter() - start
+        return timer.wrap("verify", verify)(requests, logits, *args)
+
+    core._certified = picks  # type: ignore[method-assign]
+    core_module.verify = timed_verify
     start = time.perf_counter()
     try:
         for _ in range(steps):
             core.step()
     finally:
-        runner.forward, runner.logits, core_module.verify = forward, logits, verify
+        runner.forward, core_module.verify = forward, verify
+        del core._certified
     wall = time.perf_counter() - start
     out = {k: 1000 * v / steps for k, v in timer.total.items()}
     out["host"] = 1000 * wall / steps - sum(out.values())
@@ -143,7 +165,7 @@ def main() -> None:
     args = ap.parse_args()
     model = load(args.model, dtype=args.dtype, progress=False)
     print(machine_line(f"rows-engine step profile, {model.name} ({model.dtype})"))
-    cols = ("B", "step", "mlx-lm", "ratio", "forward", "attention", "padding", "logits",
+    cols = ("B", "step", "mlx-lm", "ratio", "forward", "attention", "padding", "head",
             "verify", "host")
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
@@ -156,7 +178,7 @@ def main() -> None:
         padding = split["forward"] - phases(loose, args.steps)["forward"]
         theirs = mlx_lm_step_ms(model, B, args.steps)
         row = [B, total, theirs, theirs / total, split["forward"], attn, padding,
-               split["logits"], split["verify"], split["host"]]
+               split.get("head", 0.0), split["verify"], split["host"]]
         print("| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in row)
               + " |", flush=True)
     print("(ms per decode step; ratio = mlx-lm step / tandem step, > 1 means tandem is faster)")
