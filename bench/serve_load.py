@@ -10,7 +10,8 @@ few seconds, too short to resolve a few percent here) and reports generated tok/
 from each response's `usage`
 (`stream_options.include_usage`; SSE chunks hide multi-token steps), time to first token
 p50/p95, inter-token latency p50 and failed requests (errors, or a stream without usage).
-All servers run at once (idle, each takes no CPU) and every load runs `--rounds` times
+All servers run at once (idle, each takes no CPU; `--alone`: each is started for its run
+and stopped after, a cold prefix cache every run) and every load runs `--rounds` times
 per server, the servers' order rotated each round, so drift over the run (this VM's
 speed moves by ±10%) does not favour whichever server ran first; medians are reported
 and failures summed. Every server sees the same prompts in the same order, so prompt
@@ -146,6 +147,9 @@ def main() -> None:
                          "steadies the one-client case: one request is a few seconds)")
     ap.add_argument("--rounds", type=int, default=2,
                     help="runs per server and load, servers interleaved in rotating order")
+    ap.add_argument("--alone", action="store_true",
+                    help="start each server for its run and stop it after, so no other server "
+                         "is resident (a check on the all-up design; cold caches every run)")
     args = ap.parse_args()
     folder = load(args.model, dtype=args.dtype, progress=False).path  # prepared mlx-lm folder
     py = sys.executable
@@ -162,7 +166,7 @@ def main() -> None:
     clients_list = [int(c) for c in args.clients.split(",")]
     print(machine_line(f"server load, {args.model} ({folder.name}), {args.tokens} tokens/request, "
                        f"{args.per_client} request(s) per client, median of {args.rounds} "
-                       f"interleaved rounds"))
+                       f"interleaved rounds{', each server alone' if args.alone else ''}"))
     print("| load | server | clients | tok/s (usage) | TTFT p50 s | TTFT p95 s | ITL p50 ms "
           "| failed |")
     print("|---|---|---|---|---|---|---|---|")
@@ -170,17 +174,29 @@ def main() -> None:
     names = [n for n in servers if args.only in n]
     procs: dict[str, subprocess.Popen] = {}
     ports: dict[str, int] = {}
+
+    def up(name: str) -> None:
+        ports[name] = free_port()
+        procs[name] = start(servers[name](ports[name]), ports[name])
+        asyncio.run(load_test(ports[name], 1, 4, prompts("chat")))  # warm-up
+
+    def down(name: str) -> None:
+        procs[name].terminate()
+        procs.pop(name).wait(timeout=60)
+
     try:
-        for name in names:  # all up at once (idle servers take no CPU): rounds interleave
-            ports[name] = free_port()
-            procs[name] = start(servers[name](ports[name]), ports[name])
-            asyncio.run(load_test(ports[name], 1, 4, prompts("chat")))  # warm-up
+        for name in [] if args.alone else names:  # all up at once: rounds interleave
+            up(name)
         for kind, clients in itertools.product(loads, clients_list):
             runs: dict[str, list[dict]] = {n: [] for n in names}
             for r in range(args.rounds):  # each round rotates the servers' order
                 for name in names[r % len(names):] + names[: r % len(names)]:
+                    if args.alone:
+                        up(name)
                     runs[name].append(asyncio.run(load_test(ports[name], clients, args.tokens,
                                                             prompts(kind), args.per_client)))
+                    if args.alone:
+                        down(name)
             for name in names:
                 res = {k: statistics.median(x[k] for x in runs[name])
                        for k in ("tps", "ttft50", "ttft95", "itl50")}
