@@ -20,13 +20,15 @@ it. `blas_threads` / `set_blas_threads` read and set that count.
 Oracle: tests/test_blas.py (OpenBLAS preloaded by default and mapped into the
 process; TANDEM_BLAS=off and mlx-imported-first keep the reference BLAS; a bad
 path is an error when loading a model, not at import; an AVX-512 CPU gets the Haswell
-kernels unless the user chose, and under the AVX-512 ones attention is not batch-invariant). Parity with mlx-lm under it: tests/test_generate_parity.py.
+kernels unless the user chose, and under the AVX-512 ones attention is not
+batch-invariant). Parity with mlx-lm under it: tests/test_generate_parity.py.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -114,6 +116,7 @@ def _exact_kernel() -> str:
     return ""
 
 
+@functools.cache  # looked up once: the rows attention reads the thread count every call
 def _openblas_call(name: str) -> ctypes._CFuncPtr | None:
     """OpenBLAS's `name` from the global symbol namespace (the preload put it there)."""
     try:

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -61,7 +61,7 @@ GROUP_ROW_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16)  # rows of one score / p.v matmul
 KEY_CHUNK = 256  # `p v` is summed over fixed-size key chunks, in order
 KEY_SPAN = 64  # scores and softmax read key columns in whole spans (callers' widths)
 TURNED_ROWS_MOST = 16  # the most query rows one turned product may take (probed down)
-PROBE_KEYS = [70, 300, 2000, 3]  # the rows' key counts the exactness probes attend
+PROBE_KEYS = (70, 300, 2000, 3)  # the rows' key counts the exactness probes attend
 
 
 @dataclass
@@ -363,7 +363,7 @@ def block_attention(
 
 def attention_mismatches(
     group_rows: int,
-    lens: list[int],
+    lens: Sequence[int],
     L: int,
     H: int,
     Hkv: int,
