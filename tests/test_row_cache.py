@@ -202,3 +202,57 @@ def test_a_ring_refuses_a_mask_built_for_every_column():
     k, v = ring.update_and_fetch(keys, values)
     with pytest.raises(ValueError, match="key columns"):
         ring.attend(q, k, v, scale=0.25, mask=wrong)
+
+
+# --- spare rows: joins write into them, nothing else is copied ---------------------------
+def one_row(n: int, seed: int) -> RowKVCache:
+    c = RowKVCache()
+    c.ends = [0]
+    c.update_and_fetch(*kv(1, n, seed=seed))
+    return c
+
+
+def test_a_joining_row_fills_a_spare_row_and_attends_as_alone():
+    cohort = filled([5, 9, 40, 7, 3, 12, 8, 20, 6, 4, 11, 30])
+    held = cohort.kparts[0].shape[0]
+    assert held == 12 + 3  # a rebuilt buffer keeps a quarter more rows spare
+    stay = cohort.take_rows(list(range(8)))  # the last four leave: their rows turn spare
+    assert stay.kparts is cohort.kparts
+    joined = RowKVCache.merge([stay, one_row(3, seed=50)])
+    assert joined.kparts[0].shape[0] == held  # written into a spare row, not rebuilt (9 + 2)
+    q = mx.random.normal((9, H, 2, D), key=mx.random.key(7))
+    keys, values = kv(9, 2, seed=8)
+    out = step(joined, keys, values, q)
+    lens = [5, 9, 40, 7, 3, 12, 8, 20, 3]
+    for i, n in enumerate(lens):
+        alone = one_row(n, seed=i if i < 8 else 50)
+        assert mx.array_equal(step(alone, keys[i : i + 1], values[i : i + 1], q[i : i + 1]),
+                              out[i : i + 1]).item(), i
+
+
+def _poison_row(cache: RowKVCache, row: int) -> None:
+    """NaN in every stored key and value of one buffer row."""
+    nan = mx.full((1, *cache.kparts[0].shape[1:]), mx.nan)
+    at = mx.array([row, 0, 0, 0])
+    cache.kparts = (mx.slice_update(cache.kparts[0], nan, at, axes=(0, 1, 2, 3)),)
+    cache.vparts = (mx.slice_update(cache.vparts[0], nan, at, axes=(0, 1, 2, 3)),)
+
+
+def test_a_departed_rows_data_never_reaches_the_row_that_takes_its_place():
+    cohort = filled([5, 300, 9])  # capacity 512 (the 300-token row)
+    _poison_row(cohort, 2)  # the row that leaves held NaN
+    keys, values = kv(3, 1, seed=4)
+    q = mx.random.normal((3, H, 1, D), key=mx.random.key(3))
+    alone = step(one_row(3, seed=60), keys[2:], values[2:], q[2:])
+    # the newcomer's capacity (256) is narrower than the row it replaces
+    joined = RowKVCache.merge([cohort.take_rows([0, 1]), one_row(3, seed=60)])
+    assert joined.kparts[0].shape[0] == cohort.kparts[0].shape[0]  # took the spare row
+    assert mx.array_equal(step(joined, keys, values, q)[2:], alone).item()
+    # control: only the newcomer's own 256 columns written, the rest of the row left as it was
+    narrow = cohort.take_rows([0, 1])
+    narrow.ends = [5, 300, 3]
+    newcomer, at = one_row(3, seed=60), mx.array([2, 0, 0, 0])
+    narrow.kparts, narrow.vparts = (
+        (mx.slice_update(mine[0], theirs[0], at, axes=(0, 1, 2, 3)),)
+        for mine, theirs in ((narrow.kparts, newcomer.kparts), (narrow.vparts, newcomer.vparts)))
+    assert mx.isnan(step(narrow, keys, values, q)[2:]).any().item()

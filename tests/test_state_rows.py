@@ -4,7 +4,8 @@ import mlx.core as mx
 import pytest
 
 from mlx_tandem.engine.runner import ModelRunner
-from mlx_tandem.kv.state_rows import StateRows
+from mlx_tandem.kv.row_cache import RowKVCache
+from mlx_tandem.kv.state_rows import StateRows, tail_into_holes
 
 ARCHS = ("llama", "gemma3_text", "lfm2")
 
@@ -80,6 +81,31 @@ def test_append_filter_extract_merge(runner):
     rows.merge_rows(parts)  # a permutation, as per-row restores produce
     got = decode(runner, rows, [PROMPTS[i][-1] for i in (2, 0, 1, 3)])
     assert all(same(g, refs[i]) for g, i in zip(got, (2, 0, 1, 3), strict=True))
+
+
+def test_tail_into_holes_keeps_survivors_below_the_count_in_place():
+    assert tail_into_holes([0, 2, 3, 5, 6]) == [0, 5, 2, 3, 6]
+    assert tail_into_holes([1, 2]) == [2, 1]
+    assert tail_into_holes([0, 1, 2]) == [0, 1, 2] and tail_into_holes([]) == []
+
+
+def _held(rows: StateRows) -> int:
+    """Buffer rows of the first row cache (spare rows included)."""
+    return next(c for c in rows.leaves() if isinstance(c, RowKVCache)).kparts[0].shape[0]
+
+
+def test_rows_leave_from_the_tail_and_join_into_spare_rows(runner):
+    refs = [alone(runner, i) for i in range(len(PROMPTS))]
+    rows = cohort(runner, [0, 1, 2, 3])
+    held = _held(rows)
+    order = rows.leaving_order([0, 2, 3])
+    assert order == [0, 3, 2]  # row 3 moves into row 1's place, row 2 stays
+    rows.filter_rows(order)
+    assert _held(rows) == held  # the same buffers: only row 3 was written
+    rows.prepare_append([prefilled(runner, PROMPTS[1][:-1])]).commit()
+    assert _held(rows) == held  # the joining row went into a spare row
+    got = decode(runner, rows, [PROMPTS[i][-1] for i in (0, 3, 2, 1)])
+    assert all(same(g, refs[i]) for g, i in zip(got, (0, 3, 2, 1), strict=True))
 
 
 def test_clone_is_a_snapshot(runner):

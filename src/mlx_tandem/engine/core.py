@@ -419,6 +419,7 @@ class EngineCore:
     # --- leaving rows -----------------------------------------------------------------
     def _keep(self, keep: list[int]) -> None:
         if len(keep) != len(self.running):
+            keep = self.rows.leaving_order(keep)  # survivors may fill holes from the tail
             self.rows.filter_rows(keep)
             if self.drafter:
                 self.drafter.filter_rows(keep)

@@ -31,6 +31,14 @@ a token's arithmetic never depends on whether it arrived alone or in a block.
 `fetch` gives the decoded K/V in the model's own space (the assistant drafter
 reads donor layers through it).
 
+Rows come and go between steps (kv/state_rows.py), and the buffers may hold more rows than
+the cohort: rows [0, B) are the cohort's, the rest spare (stale, finite data that no row
+reads). A joining row is written into a spare row where there is one, so a join no longer
+copies every running row's K/V (a 32-row cohort's join copied ~470 MB for SmolLM2, ~50
+ms here); a rebuilt buffer keeps `_room` spare rows, and rows leaving from the end only
+turn spare; rows leaving from the middle are filled by the rows past the new count
+(kv/state_rows.tail_into_holes), so a leave writes only the rows that move.
+
 The cache speaks mlx-lm's cache protocol as the model files use it: `offset`
 (per-row positions, read for RoPE before the update), `make_mask`, and
 `update_and_fetch`; plus `attend` (see kv/attention.py) so attention runs
@@ -57,6 +65,7 @@ from mlx_tandem.kv.attention import (
 from mlx_tandem.kv.codec import FP, KVCodec, VectorCodec
 
 PAGE = 256  # capacity grows in whole pages (whole key chunks)
+ROOM = 8  # the most spare rows a rebuilt buffer keeps for joining rows (a quarter of its rows)
 assert PAGE % KEY_CHUNK == 0 and KEY_CHUNK % KEY_SPAN == 0
 
 Parts = tuple[mx.array, ...]
@@ -67,10 +76,29 @@ def _whole(width: int, unit: int) -> int:
 
 
 def _grow(parts: Parts | None, like: Parts, grow: int) -> Parts:
-    zeros = tuple(mx.zeros((p.shape[0], p.shape[1], grow, p.shape[3]), p.dtype) for p in like)
+    """`grow` more zero columns for every buffer row (spare ones too); new buffers like `like`."""
+    zeros = tuple(mx.zeros((p.shape[0], p.shape[1], grow, p.shape[3]), p.dtype)
+                  for p in (like if parts is None else parts))
     if parts is None:
         return zeros
     return tuple(mx.concatenate([p, z], axis=2) for p, z in zip(parts, zeros, strict=True))
+
+
+def _at_row(buf: mx.array, rows: mx.array, row: int) -> mx.array:
+    """buf with `rows` written from buffer row `row` on (a new array: buf is not changed)."""
+    return mx.slice_update(buf, rows, mx.array([row, 0, 0, 0]), axes=(0, 1, 2, 3))
+
+
+def _room(rows: int) -> int:
+    """Spare rows a rebuilt buffer of `rows` keeps for joining rows (a quarter, at most ROOM)."""
+    return min(ROOM, rows // 4)
+
+
+def _at_rows(buf: mx.array, rows: mx.array, at: list[int]) -> mx.array:
+    """buf with rows[j] written at buffer row at[j]."""
+    for j, row in enumerate(at):
+        buf = _at_row(buf, rows[j : j + 1], row)
+    return buf
 
 
 def ring_size(window: int, reach: int) -> int:
@@ -143,7 +171,7 @@ class RowKVCache:
         self.vparts = tuple(self._scatter(b, n, cols) for b, n in zip(self.vparts, vp, strict=True))
         self.ends = [e + L for e in self.ends]
         if self.codec.is_fp:
-            self._handed = self.kparts[0][:, :, :width], self.vparts[0][:, :, :width]
+            self._handed = self.kparts[0][:B, :, :width], self.vparts[0][:B, :, :width]
             return self._handed
         # A quantized cache hands the model stand-ins of the decoded K/V's shape: its
         # attention reads the stored parts (`attend`), so no step builds a decode of
@@ -173,17 +201,24 @@ class RowKVCache:
 
     @staticmethod
     def _scatter(buf: mx.array, new: mx.array, cols: int | mx.array) -> mx.array:
-        """Write each row's new columns at `cols` (from `_columns`)."""
+        """buf with each row's new columns written at `cols` (from `_columns`); a new array
+        (clones share buffers), written in place when nothing else holds buf."""
         if isinstance(cols, int):
-            buf[:, :, cols : cols + new.shape[2]] = new
-            return buf
+            return mx.slice_update(buf, new, mx.array([0, 0, cols, 0]), axes=(0, 1, 2, 3))
+        spare = buf.shape[0] - new.shape[0]
+        if spare:  # spare rows take zeros at their first columns: no row reads them
+            new = mx.concatenate([new, mx.zeros((spare, *new.shape[1:]), new.dtype)])
+            L = new.shape[2]
+            cols = mx.concatenate([cols, mx.broadcast_to(mx.arange(L)[None, None, :, None],
+                                                          (spare, 1, L, 1))])
         return mx.put_along_axis(buf, mx.broadcast_to(cols, new.shape), new, axis=2)
 
     def _decoded(self, width: int, used: int | None = None) -> tuple[mx.array, mx.array]:
         """Columns [0, width) decoded, in the codec's attention space (`used`: see _decode)."""
         assert self.kparts is not None and self.vparts is not None
+        B = len(self.ends)
         if self.codec.is_fp:
-            return self.kparts[0][:, :, :width], self.vparts[0][:, :, :width]
+            return self.kparts[0][:B, :, :width], self.vparts[0][:B, :, :width]
         return (self._decode(self.codec.key, self.kparts, width, used),
                 self._decode(self.codec.value, self.vparts, width, used))
 
@@ -192,7 +227,7 @@ class RowKVCache:
         the rest padded with zeros: columns past a row's end are masked, so they add exact
         zeros whatever they hold."""
         n = width if used is None else min(used, width)
-        x = codec.decode(tuple(p[:, :, :n] for p in parts), self.dtype)
+        x = codec.decode(tuple(p[: len(self.ends), :, :n] for p in parts), self.dtype)
         return mx.pad(x, [(0, 0), (0, 0), (0, width - n), (0, 0)]) if n < width else x
 
     def attend(
@@ -212,7 +247,7 @@ class RowKVCache:
         if not self.codec.is_fp:
             keys, values = self._stored(keys, values, block)
         elif not block and self._handed and values is self._handed[1]:
-            values = self.vparts[0][:, :, : self._chunked()]  # p v reads whole key chunks
+            values = self.vparts[0][: len(self.ends), :, : self._chunked()]  # whole key chunks
         queries = self.codec.key.rotate(queries)
         if block:
             assert len(self.ends) == 1, "block attention is for one row's own prefill"
@@ -236,7 +271,8 @@ class RowKVCache:
         out: list[mx.array | Packed] = []
         for c, parts, width in ((self.codec.key, self.kparts, scored),
                                 (self.codec.value, self.vparts, scored if block else self._chunked())):
-            packed = None if block else c.packed(tuple(p[:, :, :width] for p in parts))
+            packed = None if block else c.packed(tuple(p[: len(self.ends), :, :width]
+                                                       for p in parts))
             out.append(self._decode(c, parts, width, used) if packed is None else packed)
         return out[0], out[1]
 
@@ -285,7 +321,8 @@ class RowKVCache:
             cols: slice | mx.array = slice(start, end)
         else:
             cols = mx.remainder(mx.arange(start, end), self.ring)
-        return tuple(p[:, :, cols] for p in self.kparts), tuple(p[:, :, cols] for p in self.vparts)
+        return (tuple(p[:1, :, cols] for p in self.kparts),
+                tuple(p[:1, :, cols] for p in self.vparts))
 
     def place(self, kparts: Parts, vparts: Parts, dtype: mx.Dtype) -> None:
         """Fill this blank one-row cache from the stored parts of positions [0, n): the
@@ -334,20 +371,46 @@ class RowKVCache:
         return out
 
     def take_rows(self, idx: list[int]) -> RowKVCache:
-        """A new cache holding rows `idx` (in order), trimmed to the pages they use."""
+        """A new cache holding rows `idx` (in that order). Where each row either stays in its
+        buffer row or comes from past the new count (rows leaving in
+        state_rows.tail_into_holes order) and the rows fill more than half the columns, the
+        buffer is kept: only the rows that move are written (in place once nothing else
+        holds it) and the rest turn spare, while the spares stay at most the rows kept (or
+        ROOM). Otherwise the rows are gathered into a buffer trimmed to the pages they use,
+        with `_room` spare rows for rows joining later."""
         out = self._empty_like()
         out.ends = [self.ends[i] for i in idx]
-        if self.kparts is not None and self.vparts is not None and idx:
-            used = max(*out.ends, 1) if self.ring is None else min(max(*out.ends, 1), self.ring)
-            width = min(self.capacity, -(-used // PAGE) * PAGE)
-            rows = mx.array(idx, dtype=mx.int32)
-            out.kparts = tuple(p[rows, :, :width] for p in self.kparts)
-            out.vparts = tuple(p[rows, :, :width] for p in self.vparts)
+        if self.kparts is None or self.vparts is None or not idx:
+            return out
+        n = len(idx)
+        used = max(*out.ends, 1) if self.ring is None else min(max(*out.ends, 1), self.ring)
+        width = min(self.capacity, -(-used // PAGE) * PAGE)
+        holes = [p for p, i in enumerate(idx) if i != p]
+        if (all(idx[p] >= n for p in holes) and len(set(idx)) == n
+                and 2 * width > self.capacity and self.kparts[0].shape[0] - n <= max(ROOM, n)):
+            out.kparts, out.vparts = self.kparts, self.vparts
+            if holes:
+                src = mx.array([idx[p] for p in holes], dtype=mx.int32)
+                rows = [p[src] for p in (*self.kparts, *self.vparts)]
+                mx.eval(rows)  # read before the buffer is written, or the write copies it all
+                k = len(self.kparts)
+                out.kparts, out.vparts = (tuple(_at_rows(p, r, holes) for p, r in pairs)
+                                          for pairs in (zip(self.kparts, rows[:k], strict=True),
+                                                        zip(self.vparts, rows[k:], strict=True)))
+            return out
+        rows = mx.array(idx + idx[:1] * _room(n), dtype=mx.int32)  # spares: copies
+        out.kparts = tuple(p[rows, :, :width] for p in self.kparts)
+        out.vparts = tuple(p[rows, :, :width] for p in self.vparts)
         return out
 
     @classmethod
     def merge(cls, parts: list[RowKVCache]) -> RowKVCache:
-        """Concatenate caches row-wise (capacities padded to the widest)."""
+        """Concatenate caches row-wise (capacities padded to the widest). Where the first
+        has the widest capacity and spare rows for all the others, they are written into
+        its spare rows and its own rows are not copied; else one new buffer holds every row
+        (each copied once) and `_room` spare rows. A row is written whole (zero-padded):
+        no column of a spare row keeps a departed row's data (were it not finite, a masked
+        column's zero weight would not cancel it)."""
         names = {p.codec.name for p in parts}
         assert len(names) == 1, f"cannot merge row caches of different codecs: {names}"
         out = parts[0]._empty_like()
@@ -355,20 +418,28 @@ class RowKVCache:
         filled = [p for p in parts if p.kparts is not None]
         if not filled:
             return out
-        ref = filled[0]
-        out.dtype = ref.dtype
+        out.dtype = filled[0].dtype
         capacity = max(p.capacity for p in filled)
-        for which in ("kparts", "vparts"):  # one buffer per part, each row copied once
-            merged = []
-            for j, like in enumerate(getattr(ref, which)):
-                shape = (len(out.ends), like.shape[1], capacity, like.shape[3])
-                buf, row = mx.zeros(shape, like.dtype), 0
-                for p in parts:
-                    mine: Parts | None = getattr(p, which)
-                    if mine is not None:
-                        buf[row : row + len(p.ends), :, : mine[j].shape[2]] = mine[j]
-                    row += len(p.ends)
-                merged.append(buf)
+        first, rows = parts[0], len(out.ends)
+        into = first.kparts is not None and first.capacity == capacity and (
+            first.kparts[0].shape[0] >= rows)
+        for which in ("kparts", "vparts"):
+            if into:
+                merged, row, rest = list(getattr(first, which)), len(first.ends), parts[1:]
+            else:
+                merged = [mx.zeros((rows + _room(rows), x.shape[1], capacity, x.shape[3]), x.dtype)
+                          for x in getattr(filled[0], which)]
+                row, rest = 0, parts
+            for p in rest:
+                n, mine = len(p.ends), getattr(p, which)
+                if mine is not None:
+                    pad = [(0, 0), (0, 0), (0, capacity - p.capacity), (0, 0)]
+                    merged = [_at_row(buf, mx.pad(m[:n], pad), row)
+                              for buf, m in zip(merged, mine, strict=True)]
+                elif into:  # whole rows, zeros where a row holds nothing: no stale data stays
+                    merged = [_at_row(buf, mx.zeros((n, *buf.shape[1:]), buf.dtype), row)
+                              for buf in merged]
+                row += n
             setattr(out, which, tuple(merged))
         return out
 

@@ -13,8 +13,12 @@ gather rows and concatenate, and a snapshot:
 to `RowKVCache.attend` (kv/routing.route_attention), accepted only after a
 probe forward shows that every attention layer routes.
 
+Rows leave in `leaving_order` (`tail_into_holes`: the survivors past the new count move
+into the holes), so a row cache copies only the rows that move.
+
 Oracle: tests/test_state_rows.py (rows alone vs in a cohort, through append,
-filter, extract, merge and clone; a failed append leaves the cohort untouched),
+filter, extract, merge and clone; a failed append leaves the cohort untouched;
+rows leaving in tail-into-holes order),
 tests/test_attention_routing.py (the probe).
 """
 
@@ -35,7 +39,7 @@ from mlx_tandem.kv.codec import FP, KVCodec
 from mlx_tandem.kv.recurrent import rewind
 from mlx_tandem.kv.routing import attention_route, route_attention
 from mlx_tandem.kv.row_cache import RowKVCache, ring_size
-from mlx_tandem.kv.row_groups import merge_groups
+from mlx_tandem.kv.row_groups import GroupedKVCache, merge_groups
 
 LayerCache = Any  # RowKVCache | ArraysCache | CacheList
 CodecPlan = Callable[[int, "int | None"], KVCodec]  # (layer, window) -> that layer's codec
@@ -73,6 +77,16 @@ class RowSpan:
 
 
 # --- per-kind primitives ----------------------------------------------------------
+def tail_into_holes(keep: list[int]) -> list[int]:
+    """The surviving rows `keep` (ascending) in the order that moves fewest buffer rows:
+    a survivor below the new row count stays where it is and the survivors past it fill
+    the holes, in order (row caches then move only those rows: RowKVCache.take_rows).
+    Any order is exact: a row's arithmetic does not depend on where it sits."""
+    n, kept = len(keep), set(keep)
+    movers = iter(i for i in keep if i >= n)
+    return [p if p in kept else next(movers) for p in range(n)]
+
+
 def _row_kind(
     cache: Any,
     kv: type[RowKVCache] = RowKVCache,
@@ -233,6 +247,14 @@ class StateRows:
             self.layers, self.rows = staged.pop("layers"), self.rows + added
 
         return PreparedChange(commit=commit, dispose=staged.clear)
+
+    def leaving_order(self, keep: list[int]) -> list[int]:
+        """The order to keep the surviving rows `keep` (ascending) in: `tail_into_holes`,
+        or `keep` itself where a layer holds its rows in groups (kv/row_groups.py: a row
+        moving between groups would merge them)."""
+        if any(isinstance(c, GroupedKVCache) for c in self.leaves()):
+            return keep
+        return tail_into_holes(keep)
 
     def filter_rows(self, keep: list[int]) -> None:
         """Keep only the given rows, in that order; dropped rows' memory is released."""
