@@ -47,8 +47,10 @@ prefill chunk (`block`, from the runner's BlockMode) — with fused attention. E
 host-side ints: the engine always knows them, so no step needs a device-to-host sync.
 
 Oracle: tests/test_row_cache.py (a row's attention alone == in a batch ==
-after rewind and re-append, under each codec); tests/test_state_rows.py (the
-same for logits).
+after rewind and re-append, under each codec; a row joining into a spare row attends
+as alone, and a departed row's data never reaches it: control, a newcomer written
+without its padding reads NaN); tests/test_state_rows.py (the same for logits, rows
+leaving from the tail and joining into spare rows).
 """
 
 from __future__ import annotations
@@ -375,9 +377,10 @@ class RowKVCache:
         buffer row or comes from past the new count (rows leaving in
         state_rows.tail_into_holes order) and the rows fill more than half the columns, the
         buffer is kept: only the rows that move are written (in place once nothing else
-        holds it) and the rest turn spare, while the spares stay at most the rows kept (or
-        ROOM). Otherwise the rows are gathered into a buffer trimmed to the pages they use,
-        with `_room` spare rows for rows joining later."""
+        holds it) and the rest turn spare, while the spares stay at most the rows kept (one
+        row taken out of a larger cohort is gathered: it does not keep the cohort's buffer
+        alive). Otherwise the rows are gathered into a buffer trimmed to the pages they
+        use, with `_room` spare rows for rows joining later."""
         out = self._empty_like()
         out.ends = [self.ends[i] for i in idx]
         if self.kparts is None or self.vparts is None or not idx:
@@ -387,7 +390,7 @@ class RowKVCache:
         width = min(self.capacity, -(-used // PAGE) * PAGE)
         holes = [p for p, i in enumerate(idx) if i != p]
         if (all(idx[p] >= n for p in holes) and len(set(idx)) == n
-                and 2 * width > self.capacity and self.kparts[0].shape[0] - n <= max(ROOM, n)):
+                and 2 * width > self.capacity and self.kparts[0].shape[0] <= 2 * n):
             out.kparts, out.vparts = self.kparts, self.vparts
             if holes:
                 src = mx.array([idx[p] for p in holes], dtype=mx.int32)
