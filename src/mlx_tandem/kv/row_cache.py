@@ -193,11 +193,14 @@ class RowKVCache:
 
     def _columns(self, L: int) -> int | mx.array:
         """Where an append of L tokens goes: the first column when every row writes the
-        same contiguous columns, else (B, 1, L, 1) each row's columns (modulo the ring)."""
+        same contiguous columns, else (rows held, 1, L, 1) each buffer row's columns (modulo
+        the ring; spare rows write at column 0, which no row reads)."""
         ends = self.ends
         if len(set(ends)) == 1 and (self.ring is None or ends[0] % self.ring + L <= self.ring):
             return ends[0] if self.ring is None else ends[0] % self.ring
-        cols = mx.array(ends, dtype=mx.int32)[:, None, None, None]
+        assert self.kparts is not None
+        spare = self.kparts[0].shape[0] - len(ends)
+        cols = mx.array(ends + [0] * spare, dtype=mx.int32)[:, None, None, None]
         cols = cols + mx.arange(L)[None, None, :, None]
         return cols if self.ring is None else mx.remainder(cols, self.ring)
 
@@ -208,11 +211,8 @@ class RowKVCache:
         if isinstance(cols, int):
             return mx.slice_update(buf, new, mx.array([0, 0, cols, 0]), axes=(0, 1, 2, 3))
         spare = buf.shape[0] - new.shape[0]
-        if spare:  # spare rows take zeros at their first columns: no row reads them
-            new = mx.concatenate([new, mx.zeros((spare, *new.shape[1:]), new.dtype)])
-            L = new.shape[2]
-            cols = mx.concatenate([cols, mx.broadcast_to(mx.arange(L)[None, None, :, None],
-                                                          (spare, 1, L, 1))])
+        if spare:  # spare rows take zeros at the columns `_columns` gave them
+            new = mx.pad(new, [(0, spare), (0, 0), (0, 0), (0, 0)])
         return mx.put_along_axis(buf, mx.broadcast_to(cols, new.shape), new, axis=2)
 
     def _decoded(self, width: int, used: int | None = None) -> tuple[mx.array, mx.array]:
