@@ -453,36 +453,47 @@ def test_queue_full_is_429_and_more_than_it_can_ever_hold_is_400(strict):
     assert chat(strict, "queue", max_tokens=2).choices[0].finish_reason in ("stop", "length")
 
 
-def test_disconnect_cancels_the_row(plain):
-    before = plain.metrics()['tandem_requests_total{status="cancelled"}']
-    body = {"messages": MSG, "max_tokens": 3000, "stream": True, "logit_bias": NO_EOS}
-    with httpx.stream("POST", plain.url + "/v1/chat/completions", json=body) as r:
-        data = 0
-        for line in r.iter_lines():
-            data += line.startswith("data: ")
-            if data == 3:
+@pytest.fixture(scope="module")
+def endless(tiny_model):
+    """A server whose model has a context no test can fill: its rows end only when cancelled."""
+    server = LiveServer(tiny_model("llama", max_position_embeddings=1 << 22))
+    yield server
+    server.stop()
+
+
+def test_disconnect_cancels_the_row(endless):
+    # 1M tokens cannot finish while the test runs, however far the engine outruns this thread
+    body = {"messages": MSG, "max_tokens": 1 << 20, "stream": True, "logit_bias": NO_EOS}
+    with httpx.stream("POST", endless.url + "/v1/chat/completions", json=body) as r:
+        lines, stream = [], r.iter_lines()
+        for line in stream:
+            lines += [line] if line.startswith("data: ") else []
+            if len(lines) == 3:
                 break
+        assert all('"finish_reason": null' in line for line in lines), lines  # no error, no end
         # in flight (a row, or still joining: under a loaded machine the stream's first lines
         # can come before the row merges into the cohort). Read from this thread without the
         # engine's: a read inside a move between lists (joining -> running) sees 0, so any
         # of a few reads within 2 s must see the one request
-        sched = plain.engine.scheduler
+        sched = endless.engine.scheduler
         seen, deadline = set(), time.monotonic() + 2
         while 1 not in seen and time.monotonic() < deadline:
-            seen.add(len(plain.engine.running) + len(sched.joining) + len(sched.waiting))
+            seen.add(len(endless.engine.running) + len(sched.joining) + len(sched.waiting))
             time.sleep(0.002)
-        assert 1 in seen, seen
-    # 3,000 tokens would take minutes: idle within seconds means the row was cancelled (the
-    # bound is loose: a loaded 2-core CI machine runs a step in up to ~1 s)
-    assert plain.wait_idle(10.0), "the row was not cancelled"
-    metrics = plain.metrics()
+        if 1 not in seen:  # say how the row ended: the rest of its stream
+            rest = [line for line in stream if line.startswith("data: ")]
+            pytest.fail(f"not in flight after 3 events ({seen}); then {len(rest)}: {rest[-2:]}")
+    # idle within seconds means the row was cancelled (the bound is loose: a loaded 2-core CI
+    # machine runs a step in up to ~1 s)
+    assert endless.wait_idle(10.0), "the row was not cancelled"
+    metrics = endless.metrics()
     assert metrics["tandem_rows_running"] == 0 and metrics["tandem_rows_queued"] == 0
-    assert metrics['tandem_requests_total{status="cancelled"}'] == before + 1
+    assert metrics['tandem_requests_total{status="cancelled"}'] == 1
 
     with pytest.raises(httpx.ReadTimeout):  # not streamed: the row goes when the client does
-        httpx.post(plain.url + "/v1/chat/completions", json={**body, "stream": False}, timeout=0.5)
-    assert plain.wait_idle(10.0)
-    assert plain.metrics()['tandem_requests_total{status="cancelled"}'] == before + 2
+        httpx.post(endless.url + "/v1/chat/completions", json={**body, "stream": False}, timeout=0.5)
+    assert endless.wait_idle(10.0)
+    assert endless.metrics()['tandem_requests_total{status="cancelled"}'] == 2
 
 
 # --- concurrency ---------------------------------------------------------------------------------
