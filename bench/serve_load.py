@@ -14,7 +14,8 @@ All servers run at once (idle, each takes no CPU; `--alone`: each is started for
 and stopped after, a cold prefix cache every run) and every load runs `--rounds` times
 per server, the servers' order rotated each round, so drift over the run (this VM's
 speed moves by ±10%) does not favour whichever server ran first; medians are reported
-and failures summed. Every server sees the same prompts in the same order, so prompt
+and failures summed, and defaults / none also as the median of each round's own ratio
+(a round's runs are minutes apart at most, so slower drift cancels within it). Every server sees the same prompts in the same order, so prompt
 caches (mlx_lm.server's, tandem's prefix caches) warm up alike.
 
     .venv/bin/python bench/serve_load.py --model smollm2-135m --tokens 64
@@ -171,6 +172,7 @@ def main() -> None:
           "| failed |")
     print("|---|---|---|---|---|---|---|---|")
     results: dict[tuple[str, str, int], dict] = {}
+    paired: dict[tuple[str, int], float] = {}  # median over rounds of defaults / none
     names = [n for n in servers if args.only in n]
     procs: dict[str, subprocess.Popen] = {}
     ports: dict[str, int] = {}
@@ -205,18 +207,24 @@ def main() -> None:
                 print(f"| {kind} | {name} | {clients} | {res['tps']:.1f} | {res['ttft50']:.2f} | "
                       f"{res['ttft95']:.2f} | {1000 * res['itl50']:.0f} | {res['failed']} |",
                       flush=True)
+            pair = [n for n in names if n.startswith("tandem")]
+            if len(pair) == 2:  # each round's two runs are adjacent in time: drift cancels
+                paired[kind, clients] = statistics.median(
+                    a["tps"] / b["tps"] for a, b in zip(runs[pair[0]], runs[pair[1]], strict=True))
     finally:
         for proc in procs.values():
             proc.terminate()
             proc.wait(timeout=60)
-    print("\n| load | clients | defaults / none | defaults / mlx_lm.server | TTFT p50 defaults "
-          "vs mlx_lm |")
-    print("|---|---|---|---|---|")
+    print("\n| load | clients | defaults / none | the same, paired by round | defaults / "
+          "mlx_lm.server | TTFT p50 defaults vs mlx_lm |")
+    print("|---|---|---|---|---|---|")
     for kind, clients in itertools.product(loads, clients_list):
         got = {n: results.get((kind, n, clients)) for n in servers}
         d, off = got["tandem (defaults)"], got["tandem (--draft-model none)"]
         ref = got["mlx_lm.server"]
+        ratio = paired.get((kind, clients))
         cells = [f"{d['tps'] / off['tps']:.2f}x" if d and off else "",
+                 f"{ratio:.2f}x" if ratio else "",
                  f"{d['tps'] / ref['tps']:.2f}x" if d and ref else "",
                  f"{d['ttft50']:.2f} vs {ref['ttft50']:.2f} s" if d and ref else ""]
         print(f"| {kind} | {clients} | {' | '.join(cells)} |")
