@@ -113,7 +113,7 @@ def test_cancel_stops_within_one_step_and_frees_the_row(tiny_model):
     assert keep.result().tokens == run_alone(m, [5, 6, 7], SamplingParams(max_tokens=40), cfg)
 
 
-def test_failed_admission_leaves_running_rows_untouched(tiny_model, monkeypatch):
+def test_failed_admission_leaves_running_rows_untouched(tiny_model, monkeypatch, caplog):
     m = tiny_model("gemma3_text")
     cfg = RuntimeConfig.resolve(environ={}, prefill_chunk=8)
     prompts, params = make_prompts(4, seed=5), [SamplingParams(max_tokens=20)] * 4
@@ -137,6 +137,8 @@ def test_failed_admission_leaves_running_rows_untouched(tiny_model, monkeypatch)
     res = bad.result()
     assert res.finish_reason == "error" and "injected" in res.error and res.tokens == []
     assert [h.result().tokens for h in handles] == ref
+    logged = [r for r in caplog.records if "failed while joining" in r.getMessage()]
+    assert len(logged) == 1 and "injected" in str(logged[0].exc_info[1])  # with its trace
 
 
 def test_requests_that_cannot_fit_are_refused_at_submit(tiny_model):

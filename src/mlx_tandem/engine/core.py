@@ -27,6 +27,7 @@ next request succeeds.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 
@@ -66,6 +67,7 @@ from mlx_tandem.kv.state_rows import StateRows
 from mlx_tandem.models.families import check_engine, recurrent_refusal
 from mlx_tandem.models.loader import LoadedModel
 
+log = logging.getLogger(__name__)
 GRAMMAR = "grammar"  # EngineStats' name for grammar-forced proposals
 SHORT_UNIT = 16  # short-prompt cache blocks where prefills are not packed (any split is exact)
 NEXT_UNIT_MARGIN = 1.25  # a prefill unit may take this much more than the last one did
@@ -412,6 +414,8 @@ class EngineCore:
             self.running.append(request)
 
     def _fail_joining(self, request: Request, err: Exception) -> None:
+        # validated at submit: a failure here is a bug or the device's, worth a trace
+        log.warning("request %s failed while joining the cohort", request.id, exc_info=err)
         self.scheduler.joining.remove(request)
         request.joining = request.draft_joining = None
         self._finish(request, "error", f"{type(err).__name__}: {err}")
