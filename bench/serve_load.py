@@ -15,8 +15,9 @@ and stopped after, a cold prefix cache every run) and every load runs `--rounds`
 per server, the servers' order rotated each round, so drift over the run (this VM's
 speed moves by ±10%) does not favour whichever server ran first; medians are reported
 and failures summed, and defaults / none also as the median of each round's own ratio
-(a round's runs are minutes apart at most, so slower drift cancels within it). Every server sees the same prompts in the same order, so prompt
-caches (mlx_lm.server's, tandem's prefix caches) warm up alike.
+(a round's runs are minutes apart at most, so slower drift cancels within it). Every
+server sees the same prompts in the same order, so prompt caches (mlx_lm.server's,
+tandem's prefix caches) warm up alike.
 
     .venv/bin/python bench/serve_load.py --model smollm2-135m --tokens 64
 """

@@ -149,10 +149,10 @@ def serve_process(folder, *extra: str) -> tuple[subprocess.Popen, str, str]:
 def test_sigterm_drains_and_exits_zero(tmp_path):
     # a context no test can fill: the row cannot finish before the drain cuts it
     proc, url, curl = serve_process(make_tiny_model("llama", tmp_path / "m",
-                                                    max_position_embeddings=1 << 22))
+                                                    max_position_embeddings=1 << 20))
     try:
         assert "curl " + url + "/v1/chat/completions" in curl
-        body = {"messages": MSG, "max_tokens": 1 << 20, "stream": True, "logit_bias": NO_EOS}
+        body = {"messages": MSG, "max_tokens": 1 << 18, "stream": True, "logit_bias": NO_EOS}
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as r:
             lines = r.iter_lines()
             first = [next(lines) for _ in range(4)]
