@@ -7,6 +7,7 @@ import itertools
 import pytest
 
 from mlx_tandem import SamplingParams
+from mlx_tandem.engine import depth
 from mlx_tandem.engine.depth import (
     PROBE,
     PROBE_MAX,
@@ -418,3 +419,31 @@ def test_depths_past_a_verify_blocks_reach_are_refused():
     for make in (FixedDepth, AdaptiveDepth, lambda k: build_depth("fixed", k)):
         with pytest.raises(ValueError, match=f"in \\[.*{MAX_DRAFT}\\]"):
             make(MAX_DRAFT + 1)
+
+
+@pytest.mark.parametrize("filtered", [True, False])
+def test_an_isolated_stall_is_not_learned_but_a_change_of_speed_is(filtered, monkeypatch):
+    """Eight rows whose drafts do not pay at a plain step of 85 ms. One plain step stalled
+    to 340 ms (the server's measured case) leaves the costs as they were; two slow steps in
+    a row are a change of speed and move them. Without the filter (the negative control)
+    the one stall moves the plain cost to 136 ms, drafted steps look 40% cheaper than they
+    are, and the rows draft; a stalled drafted step likewise makes drafting dearer."""
+    if not filtered:
+        monkeypatch.setattr(depth, "STALL", float("inf"))
+    policy = AdaptiveDepth(4)
+    eight = rows(8, alpha=0.44)
+    calibrate(policy, eight, plain_s=0.085, per_token_s=0.04)
+    costs = policy.costs[8]
+    policy.steps = 1
+    assert policy.depths(eight) == [0] * 8
+    policy.observe(eight, [0] * 8, [0] * 8, 0.0, 0.34, 1)
+    assert (costs.plain_s == pytest.approx(0.085)) == filtered
+    assert (policy.depths(eight) == [0] * 8) == filtered
+    per_token = costs.fit(1).per_token_s
+    policy.observe(eight, [3] * 8, [0] * 8, 0.0, 4 * 0.205, 4)  # a drafted step stalled 4x
+    assert (costs.fit(1).per_token_s == pytest.approx(per_token)) == filtered
+    if filtered:
+        policy.observe(eight, [0] * 8, [0] * 8, 0.0, 0.085, 1)
+        for _ in range(2):
+            policy.observe(eight, [0] * 8, [0] * 8, 0.0, 0.34, 1)
+        assert costs.plain_s == pytest.approx(0.8 * 0.085 + 0.2 * 0.34)

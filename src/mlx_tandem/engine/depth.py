@@ -28,6 +28,8 @@ against k = 0 (plain decoding: every row emits one token at cost 1).
     where its slots cross a multiple of the runner's row quantum), and apart for verifies
     small enough to run turned (2-3 slots: models/invariance.SMALL_TURNED): a depth is
     priced by the measurements of the calls it needs.
+    A measured step more than STALL times slower than its prediction is not learned from
+    unless the one before it of its kind was slow too: a stall, not a change (Stalls).
 The first drafted step drafts one token, so costs start from a measurement, not from
 zero; a bucket whose drafted steps are not measured yet prices them as the nearest
 measured bucket within a factor of two does (in plain steps) until it drafts, else it
@@ -80,6 +82,7 @@ PRIOR_WEIGHT = 2  # observations a shared row's starting estimate counts as
 LEFT_WEIGHT = 0.125  # a finished request's weight in the new-row estimates (~the last 8)
 ROW_LOCAL_COST = 0.1  # cost of one drafted token relative to a plain step, when not measured
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+STALL = 1.75  # a step this many times slower than predicted is a stall unless the next is too
 
 
 def size_bucket(rows: int) -> int:
@@ -134,6 +137,23 @@ class FixedDepth:
         """A fixed depth learns nothing."""
 
 
+class Stalls:
+    """Tells an isolated stall from a change of speed. A step that takes more than STALL times
+    its prediction (a garbage collection, the server's thread taking the interpreter, the
+    machine's scheduler: ~1 step in 130 on this VM's server, 2-4x a plain one) is not learned
+    from unless the step before it of the same kind was slow too. One 340 ms plain step among
+    85 ms ones otherwise moved the plain cost to 136 ms, every drafted step then looked 40%
+    cheaper than it was, and eight rows drafted for 40 steps at a loss (BENCHMARKS, session 30)."""
+
+    def __init__(self) -> None:
+        self.last_slow = False
+
+    def isolated(self, seconds: float, predicted: float) -> bool:
+        slow = seconds > STALL * predicted
+        isolated, self.last_slow = slow and not self.last_slow, slow
+        return isolated
+
+
 class DraftCost:
     """A drafted step's extra seconds over a plain one as `fixed_s + per_token_s * x`, x the
     drafted tokens per row: a weighted least-squares line over recent drafted steps
@@ -147,6 +167,11 @@ class DraftCost:
         self.per_token_s = 0.0  # extra seconds per drafted token on every row
         self.fixed_s = 0.0  # extra seconds of any drafted step
         self._sums = [0.0] * 5  # weight, x, x^2, extra, x * extra
+        self.stalls = Stalls()
+
+    def predict(self, x: float) -> float | None:
+        """Extra seconds of a step drafting x tokens per row (None before any measurement)."""
+        return self.fixed_s + self.per_token_s * x if self._sums[0] else None
 
     def add(self, x: float, extra: float, smoothing: float) -> None:
         keep = 1 - smoothing
@@ -171,6 +196,7 @@ class StepCosts:
     def __init__(self) -> None:
         self.plain_s: float | None = None  # a verify with no drafts
         self.drafted: dict[int, DraftCost] = {}
+        self.plain_stalls = Stalls()
 
     def fit(self, pieces: int) -> DraftCost | None:
         """The line for `pieces` calls, else the nearest measured (the fewer on a tie: an
@@ -340,14 +366,18 @@ class AdaptiveDepth:
                 self._learn(r, d, a)
         costs = self.costs.setdefault(size_bucket(len(requests)), StepCosts())
         if width == 1:
-            costs.plain_s = (
-                verify_s if costs.plain_s is None else (1 - s) * costs.plain_s + s * verify_s
-            )
+            if costs.plain_s is None:
+                costs.plain_s = verify_s
+            elif not costs.plain_stalls.isolated(verify_s, costs.plain_s):
+                costs.plain_s = (1 - s) * costs.plain_s + s * verify_s
         elif costs.plain_s is not None and sum(drafted):  # the verify runs only real slots'
             # projections (kv/attention.Ragged), so its cost follows the drafted tokens
-            extra = draft_s + max(0.0, verify_s - costs.plain_s)
+            x = sum(drafted) / len(requests)
             fit = costs.drafted.setdefault(self.pieces(len(requests) + sum(drafted)), DraftCost())
-            fit.add(sum(drafted) / len(requests), extra, s)
+            predicted = fit.predict(x)
+            if predicted is None or not fit.stalls.isolated(
+                    draft_s + verify_s, costs.plain_s + predicted):
+                fit.add(x, draft_s + max(0.0, verify_s - costs.plain_s), s)
 
     def _offered(self, r: Request, got: bool) -> None:
         """Row r was asked to draft (or shadowed) and its drafter proposed (got) or not."""
