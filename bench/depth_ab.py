@@ -8,7 +8,12 @@ serve`). Every engine keeps `--rows` requests in flight (a new one joins as one 
 the server's closed loop with that many clients) until `--requests` have run, and the
 engines take one step each in turn, each step timed alone. This VM's speed drifts by
 ±10–30% over minutes, which buries a few percent between runs made one after the other;
-stepped alternately, every engine sees the same drift. A warm-up round (compiles, fills
+stepped alternately, every engine sees the same drift. What it does not remove: two
+identical engines in one run can differ by a steady ~7% at 32 rows (`adaptive:3 none none`
+on the mixed load, 2026-12-05: the two `none` took 1.010x and 1.072x, then 0.996x and
+1.075x, the time of adaptive, which drafted nothing) — the engine's own memory, not its
+policy. Name a policy twice, as its own control, before reading a difference under ~8% at
+wide batches. A warm-up round (compiles, fills
 the prefix caches, teaches the adaptive policy its costs) is not reported. Greedy, EOS
 ignored: every engine generates the same tokens, so time alone differs.
 
