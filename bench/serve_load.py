@@ -15,7 +15,11 @@ and stopped after, a cold prefix cache every run) and every load runs `--rounds`
 per server, the servers' order rotated each round, so drift over the run (this VM's
 speed moves by ±10%) does not favour whichever server ran first; medians are reported
 and failures summed, and defaults / none also as the median of each round's own ratio
-(a round's runs are minutes apart at most, so slower drift cancels within it). Every
+(a round's runs are minutes apart at most, so slower drift cancels within it). What
+rounds do not cancel with the servers kept up: a process's own speed, which on this VM can
+sit a steady several percent off another's for its whole life (two identical engines in
+one process differed by ~7% at 32 rows, `depth_ab.py`'s A/A control); `--alone` starts
+fresh processes every round, so that offset falls differently each round. Every
 server sees the same prompts in the same order, so prompt caches (mlx_lm.server's,
 tandem's prefix caches) warm up alike.
 
