@@ -82,7 +82,7 @@ PRIOR_WEIGHT = 2  # observations a shared row's starting estimate counts as
 LEFT_WEIGHT = 0.125  # a finished request's weight in the new-row estimates (~the last 8)
 ROW_LOCAL_COST = 0.1  # cost of one drafted token relative to a plain step, when not measured
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
-STALL = 1.75  # a step this many times slower than predicted is a stall unless the next is too
+STALL = 1.75  # a step this many times slower than predicted is a stall (unless the one before was)
 
 
 def size_bucket(rows: int) -> int:
