@@ -13,8 +13,8 @@ identical engines in one run can differ by a steady ~7% at 32 rows (`adaptive:3 
 on the mixed load, 2026-12-05: the two `none` took 1.010x and 1.072x, then 0.996x and
 1.075x, the time of adaptive, which drafted nothing) — the engine's own memory, not its
 policy. Name a policy twice, as its own control, before reading a difference under ~8% at
-wide batches. A warm-up round (compiles, fills
-the prefix caches, teaches the adaptive policy its costs) is not reported. Greedy, EOS
+wide batches. A warm-up round (compiles, fills the prefix caches, teaches the adaptive
+policy its costs) is not reported. Greedy, EOS
 ignored: every engine generates the same tokens, so time alone differs.
 
 It reports per round and policy: seconds of steps, of which prefill, steps taken, tokens
