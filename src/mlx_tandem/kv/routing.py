@@ -108,12 +108,12 @@ def _routes_through_sdpa(fn: object) -> bool:
     )
 
 
-def _routed_class(cls: type, route: AttentionRoute) -> type:
-    """A subclass of cls whose `__call__` resolves the attention function to `route`."""
+def with_globals(cls: type, names: dict[str, Any], **attrs: Any) -> type:
+    """A subclass of cls (same name) whose `__call__` is cls's code over its globals with
+    `names` replaced, and with `attrs` as class attributes. Nothing else changes."""
     fn = cls.__call__
     call = types.FunctionType(
-        fn.__code__, {**fn.__globals__, SDPA_NAME: route}, fn.__name__, fn.__defaults__,
-        fn.__closure__,
+        fn.__code__, {**fn.__globals__, **names}, fn.__name__, fn.__defaults__, fn.__closure__
     )
     call.__kwdefaults__ = fn.__kwdefaults__
     call.__qualname__ = fn.__qualname__
@@ -121,8 +121,13 @@ def _routed_class(cls: type, route: AttentionRoute) -> type:
         cls.__name__,
         (cls,),
         {"__call__": call, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-         "attention_route": route},
+         **attrs},
     )
+
+
+def _routed_class(cls: type, route: AttentionRoute) -> type:
+    """A subclass of cls whose `__call__` resolves the attention function to `route`."""
+    return with_globals(cls, {SDPA_NAME: route}, attention_route=route)
 
 
 def attention_route(module: nn.Module) -> AttentionRoute | None:

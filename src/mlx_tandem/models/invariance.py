@@ -52,6 +52,7 @@ import mlx.nn as nn
 from mlx_tandem._blas import blas_threads
 from mlx_tandem.kv.attention import BlockMode
 from mlx_tandem.kv.state_rows import rows_model
+from mlx_tandem.models.activations import vectorised_activations
 from mlx_tandem.models.graph import backbone_path, is_tied
 
 PROBE_ROWS = (*range(1, 33), 40, 48, 64, 96, 128, 144, 160, 192)
@@ -425,9 +426,10 @@ def head_plan(stable: nn.Module) -> RowPlan | None:
 def row_stable(
     model: nn.Module, block: BlockMode | None = None, plans: dict[tuple, RowPlan] | None = None
 ) -> tuple[nn.Module, dict[tuple, RowPlan]]:
-    """The rows engine's copy of `model` (projections following their plans, attention routed
-    to the row caches) and the plans (`plans`: see stable_projections). Raises ValueError for
-    a model with an attention layer that does not route."""
+    """The rows engine's copy of `model` (projections following their plans, MLP activations
+    vectorised (models/activations.py), attention routed to the row caches) and the plans
+    (`plans`: see stable_projections). Raises ValueError for a model with an attention layer
+    that does not route."""
     block = block or BlockMode()
     stable, plans = stable_projections(model, block, plans)
-    return rows_model(stable, block), plans
+    return rows_model(vectorised_activations(stable), block), plans
