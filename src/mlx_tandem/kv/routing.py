@@ -135,32 +135,16 @@ def attention_route(module: nn.Module) -> AttentionRoute | None:
     return type(module).__dict__.get("attention_route")
 
 
-def route_attention(model: nn.Module, block: BlockMode | None = None) -> nn.Module:
-    """A structural copy of `model` whose attention modules call their cache's `attend`.
-
-    Every module is shallow-copied (arrays are shared; children are replaced in
-    the copy, never mutated in `model`); a module whose class's `__call__` reads
-    mlx-lm's `scaled_dot_product_attention` gets a per-layer routed subclass.
-    Modules that compute attention any other way are left as they are: the
-    probe forward in `kv.state_rows.rows_model` finds and refuses them.
-    """
-
-    block = block or BlockMode()
+def copy_tree(model: nn.Module, swap: Callable[[nn.Module, str], type | None]) -> nn.Module:
+    """A structural copy of `model`: every module shallow-copied (arrays shared; children
+    replaced in the copy, never mutated in `model`), and given the class `swap(module,
+    path)` returns where it returns one."""
 
     def rebuild(module: nn.Module, path: str) -> nn.Module:
         out = copy.copy(module)
-        if _routes_through_sdpa(type(module).__call__):
-            out.__class__ = _routed_class(type(module), AttentionRoute(path, block))
-        elif type(module) in ADAPTERS:
-            cls = type(module)
-            out.__class__ = type(
-                cls.__name__,
-                (cls,),
-                {"__call__": ADAPTERS[cls], "__module__": cls.__module__,
-                 "__qualname__": cls.__qualname__, "attention_route": AttentionRoute(path, block)},
-            )
-        elif is_recurrent_module(module):  # single-token arithmetic, per-token checkpoints
-            out.__class__ = stepwise_class(type(module), block)
+        cls = swap(module, path)
+        if cls is not None:
+            out.__class__ = cls
         for key, value in module.items():
             where = f"{path}.{key}" if path else key
             if isinstance(value, nn.Module):
@@ -173,3 +157,31 @@ def route_attention(model: nn.Module, block: BlockMode | None = None) -> nn.Modu
         return out
 
     return rebuild(model, "")
+
+
+def route_attention(model: nn.Module, block: BlockMode | None = None) -> nn.Module:
+    """A structural copy of `model` (`copy_tree`) whose attention modules call their
+    cache's `attend`: a module whose class's `__call__` reads mlx-lm's
+    `scaled_dot_product_attention` gets a per-layer routed subclass. Modules that compute
+    attention any other way are left as they are: the probe forward in
+    `kv.state_rows.rows_model` finds and refuses them.
+    """
+
+    block = block or BlockMode()
+
+    def routed(module: nn.Module, path: str) -> type | None:
+        cls = type(module)
+        if _routes_through_sdpa(cls.__call__):
+            return _routed_class(cls, AttentionRoute(path, block))
+        if cls in ADAPTERS:
+            return type(
+                cls.__name__,
+                (cls,),
+                {"__call__": ADAPTERS[cls], "__module__": cls.__module__,
+                 "__qualname__": cls.__qualname__, "attention_route": AttentionRoute(path, block)},
+            )
+        if is_recurrent_module(module):  # single-token arithmetic, per-token checkpoints
+            return stepwise_class(cls, block)
+        return None
+
+    return copy_tree(model, routed)

@@ -25,7 +25,6 @@ engine's exactness tests (tests/test_engine.py, tests/test_families.py) end to e
 
 from __future__ import annotations
 
-import copy
 import math
 import types
 from typing import Any
@@ -37,7 +36,7 @@ from mlx_lm.models import gemma4_text
 
 from mlx_tandem.kv.attention import LOG2E, pow2
 from mlx_tandem.kv.recurrent import is_recurrent_module
-from mlx_tandem.kv.routing import with_globals
+from mlx_tandem.kv.routing import copy_tree, with_globals
 
 _GELU_U = math.sqrt(2 / math.pi)
 _LIMIT = 126.0  # pow2's range: past it the logistic is 1, or 0 (e^-z > 2^126), in float32
@@ -94,17 +93,9 @@ def _replacements(cls: type) -> dict[str, Any]:
 def vectorised_activations(model: nn.Module) -> nn.Module:
     """A structural copy of `model` whose MLPs gate with this module's functions."""
 
-    def rebuild(module: nn.Module) -> nn.Module:
-        out = copy.copy(module)  # shares arrays; children replaced below, never mutated
+    def vectorised(module: nn.Module, path: str) -> type | None:
         # recurrent modules keep their class: the routing swaps it for its stepwise form
         names = {} if is_recurrent_module(module) else _replacements(type(module))
-        if names:
-            out.__class__ = with_globals(type(module), names)
-        for key, value in module.items():
-            if isinstance(value, nn.Module):
-                out[key] = rebuild(value)
-            elif isinstance(value, list) and any(isinstance(v, nn.Module) for v in value):
-                out[key] = [rebuild(v) if isinstance(v, nn.Module) else v for v in value]
-        return out
+        return with_globals(type(module), names) if names else None
 
-    return rebuild(model)
+    return copy_tree(model, vectorised)
