@@ -13,8 +13,9 @@ repetition_penalty below MIN_SCALE (positive logits / penalty overflow).
 One `RowSampler` per request. It turns a row's raw logits into
   * `logprobs`: log-softmax after the logits processors (penalties, bias) —
     what mlx-lm's `generate_step` yields and what logprobs report;
-  * `sample_logits`: logprobs after the truncation filters (top-p, min-p,
-    top-k, in mlx-lm's order) scaled by 1/temperature — the target
+  * `sample_logits`: logprobs after the truncation filters (top-p — engine/top_p.py,
+    mlx-lm's rule without sorting all of V — min-p, top-k, in mlx-lm's order) scaled by
+    1/temperature — the target
     distribution p that both plain sampling and speculative verification use.
 Randomness is keyed by (seed, absolute position, purpose), never a shared
 stream, so a seeded row draws the same token alone or in any batch.
@@ -34,7 +35,9 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, make_logits_processors
+
+from mlx_tandem.engine.top_p import top_p_filter
 
 MAX_TOP_LOGPROBS = 20
 _MASK64 = (1 << 64) - 1
@@ -406,7 +409,7 @@ class RowSampler:
         """The distribution sampling draws from, as unnormalised logits (temperature > 0)."""
         p = self.params
         if 0.0 < p.top_p < 1.0:
-            logprobs = apply_top_p(logprobs, p.top_p)
+            logprobs = top_p_filter(logprobs, p.top_p)
         if p.min_p != 0.0:
             logprobs = apply_min_p(logprobs, p.min_p, p.min_tokens_to_keep)
         if 0 < p.top_k < self.vocab_size:
