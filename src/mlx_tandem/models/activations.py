@@ -3,7 +3,8 @@
 mlx-lm's MLPs gate with `swiglu` (silu(gate) * x), Gemma's with `nn.gelu_approx` (Gemma 4's
 `geglu`); on MLX's CPU backend both reach a scalar `exp` / `tanh`, ~11 ns an element here:
 at 16 decoding rows SmolLM2's 30 SiLUs took ~10 ms of an ~85 ms step, and a packed
-prefill of 700 prompt tokens ~0.45 s (docs/BENCHMARKS.md, session 31). Here each is one
+prefill of 16 short prompts 0.47 s of 1.71 (0.36 s with these; docs/BENCHMARKS.md,
+session 31). Here each is one
 logistic, x / (1 + 2^y), with 2^y the polynomial the rows attention's softmax uses
 (kv/attention.pow2): element-wise multiply-adds that `mx.compile` fuses into one vectorised
 loop, within a few float32 ulp of MLX's (gelu_approx: x * sigmoid(2u) is 0.5 x (1 + tanh u)
