@@ -14,6 +14,8 @@ mlx-lm's projections, RoPE and cache update, then the route. Whether every
 attention layer really routes is checked by a probe forward (kv/state_rows.rows_model).
 Recurrent modules (kv/recurrent.py) get their `stepwise_class` in the same copy: outside
 a row's own prefill chunk they run one token at a time and keep per-token checkpoints.
+The two pieces, `copy_tree` (the structural copy) and `with_globals` (a subclass whose
+`__call__` reads other globals), also build models/activations.py's copy.
 
 Oracle: tests/test_attention_routing.py (every layer routes, a layer that does
 not is refused by name, mlx-lm untouched).
