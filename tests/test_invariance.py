@@ -2,6 +2,7 @@
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 
 from mlx_tandem.kv import attention as attention_module
@@ -194,6 +195,24 @@ def test_the_rows_softmax_is_softmax_with_exact_zeros_where_masked(dtype):
     assert mx.all(mx.where(ok, True, got == 0)).item()
     assert mx.array_equal(masked_softmax(scores[1:2], ok[1:2]), got[1:2]).item()
     assert mx.array_equal(masked_softmax(scores[..., :256], ok[..., :256]), got[..., :256]).item()
+
+
+def test_pow2_is_2_to_the_y_with_the_rounding_done_in_the_fused_loop():
+    """pow2 (the rows softmax's and activations' exp) within 2 ulp of 2^y over its range, and
+    bit for bit the formula with MLX's own round (half to even): the fused rounding (y + 1.5
+    * 2^23 - 1.5 * 2^23) is that round, not folded away. Negative control (run by hand):
+    rounding half away from zero (mx.floor(y + 0.5)) differs at the odd halves."""
+    y = mx.concatenate([mx.linspace(-126.0, 126.0, 100_001), mx.arange(-126.0, 126.5, 0.5),
+                        mx.random.uniform(-126, 126, (100_000,), key=mx.random.key(6))])
+    got = mx.compile(attention_module.pow2)(y)
+    n = mx.round(y)
+    p = mx.array(attention_module._EXP2[-1], mx.float32)
+    for c in reversed(attention_module._EXP2[:-1]):
+        p = p * (y - n) + c
+    want = p * ((n.astype(mx.int32) + 127) << 23).view(mx.float32)
+    assert mx.array_equal(got, want).item()
+    truth = np.exp2(np.array(y, dtype=np.float64))
+    assert np.max(np.abs(np.array(got, dtype=np.float64) - truth) / truth) <= 2.5e-7
 
 
 def test_fused_sdpa_row_changes_with_the_batch_key_width():

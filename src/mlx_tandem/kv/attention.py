@@ -244,6 +244,7 @@ def invariant_attention(
 
 
 LOG2E = 1.4426950408889634
+_ROUNDER = 12582912.0  # 1.5 * 2^23: y + it rounds y to an integer, |y| < 2^22, in float32
 _EXP2 = tuple(math.log(2) ** i / math.factorial(i) for i in range(7))  # 2^f, |f| <= 1/2
 
 
@@ -252,7 +253,7 @@ def pow2(y: mx.array) -> mx.array:
     Taylor polynomial of 2^f, within 2 ulp of exp), element-wise multiply-adds that
     `mx.compile` fuses into one vectorised loop, where this CPU's `exp` is scalar (~11 ns
     an element here). Callers clamp y."""
-    n = mx.round(y)
+    n = (y + _ROUNDER) - _ROUNDER  # round(y), half to even, fused (MLX's round is its own pass)
     f = y - n
     p = mx.array(_EXP2[-1], mx.float32)
     for c in reversed(_EXP2[:-1]):
