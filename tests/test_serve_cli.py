@@ -143,6 +143,7 @@ def serve_process(folder, *extra: str) -> tuple[subprocess.Popen, str, str]:
     if " on http://127.0.0.1:" not in banner:
         proc.kill()
         raise AssertionError(banner + proc.stderr.read())
+    assert ("; warmed up in " in banner) == ("--no-warmup" not in extra), banner
     return proc, banner.split(" on ")[1].split()[0], proc.stdout.readline()
 
 

@@ -12,7 +12,8 @@ from mlx_tandem.models.tiny import make_tiny_model
 
 
 def test_sigterm_under_load_ends_every_request(tmp_path):
-    proc, url, _ = serve_process(make_tiny_model("llama", tmp_path / "m"), "--max-rows", "2")
+    proc, url, _ = serve_process(make_tiny_model("llama", tmp_path / "m"), "--max-rows", "2",
+                                 "--no-warmup")
     outcomes: dict[int, str] = {}
     started = threading.Barrier(7)
 

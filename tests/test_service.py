@@ -164,6 +164,43 @@ def test_requests_sharing_an_id_release_their_own_reservations(tiny_model):
     assert core.scheduler.reserved == 0
 
 
+def test_warm_up_drafts_and_verifies_then_leaves_nothing_behind(tiny_model):
+    """The start-up request runs a prefill, decode steps and a verify of drafted tokens, then
+    the engine is as built: no speculation counts, empty prefix caches, a depth policy that
+    never observed it, and what it serves next is what a cold engine serves. Negative
+    control (run by hand): without the reset, `stats.drafted` keeps the warm-up's drafts."""
+    from mlx_tandem.drafters.factory import build_depth, build_drafter
+    from mlx_tandem.engine.service import warm_up
+    from mlx_tandem.kv.prefix_cache import PrefixStats
+
+    m = tiny_model("llama")
+    config = CFG.with_(prefix_cache_bytes=1 << 24)
+    drafter, depth = build_drafter("ngram", m, config), build_depth("adaptive", 3)
+    observed, proposed = [], []
+    depth.observe = lambda *a: observed.append(a)
+    core = EngineCore(m, config, drafter, depth)
+    draft = drafter.draft
+
+    def spy(requests, depths, rows):
+        drafts = draft(requests, depths, rows)
+        proposed.append(sum(len(d) for d in drafts.tokens))
+        return drafts
+
+    drafter.draft = spy
+    assert warm_up(core) > 0
+    assert len(proposed) >= 2 and sum(proposed) > 0  # decode steps, drafted tokens verified
+    assert core.depth is depth and not observed
+    assert core.stats.drafted == {} and core.stats.steps == 0
+    caches = [core.scheduler.prefix_cache, core.scheduler.short_cache]
+    assert all(c is not None and c.blocks == 0 and c.stats == PrefixStats() for c in caches)
+    assert not core.busy() and core.rows.row_count == 0
+    prompts, params = make_prompts(4, seed=3), make_params(4, seed=3)
+    handles = [core.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    core.run_until_idle()
+    ref = [run_alone(m, p, sp, config) for p, sp in zip(prompts, params, strict=True)]
+    assert [h.result().tokens for h in handles] == ref
+
+
 EXIT_SCRIPT = """
 import sys
 from pathlib import Path

@@ -15,7 +15,8 @@ penalties and --min-tokens-to-keep). Ours: --max-rows --memory-budget --max-queu
 default: a quarter of the memory the weights and the KV budget leave, 0 turns it off)
 --api-key --cors-origin --dtype --draft-depth --max-body-size --drain-timeout, and the
 hostile-client limits --max-connections --header-timeout --body-timeout --prompt-timeout
---allow-request-chat-template (off: a request may not carry its own template). Speculation is on by default (prompt lookup,
+--allow-request-chat-template (off: a request may not carry its own template) --no-warmup (by
+default one short request runs before the server listens: engine/service.warm_up). Speculation is on by default (prompt lookup,
 `--draft-model ngram`, `--draft-depth adaptive`: rows draft only as deep as their
 measured acceptance pays for); `--draft-model none` turns it off.
 
@@ -132,6 +133,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="let requests carry their own chat_template in chat_template_kwargs",
     )
     p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip the start-up request that builds MLX's kernels before the first user's "
+        "(on a fresh machine that request otherwise waits ~8 s for them)",
+    )
+    p.add_argument(
         "--drain-timeout",
         type=float,
         default=10.0,
@@ -213,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     if spec:
         depth = build_depth(args.draft_depth, args.num_draft_tokens)
         drafter = build_drafter(spec, model, config, dtype=args.dtype)
-    engine = Engine(model, config, drafter=drafter, depth=depth)
+    engine = Engine(model, config, drafter=drafter, depth=depth, warm=not args.no_warmup)
     options = ServerOptions(
         model_id=model.name,
         defaults=defaults,
@@ -237,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=int(args.drain_timeout) + 5,
         access_log=args.log_level == "DEBUG",
     )
-    lines = banner(model.name, spec, args, bool(args.api_key))
+    lines = banner(model.name, spec, args, bool(args.api_key), engine.warm_up_s)
     server = make_server(uv, app.state.tandem, args.drain_timeout, lines)
     code = 0
     try:
@@ -249,7 +256,9 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
-def banner(name: str, spec: str | None, args: argparse.Namespace, keyed: bool):
+def banner(
+    name: str, spec: str | None, args: argparse.Namespace, keyed: bool, warm_s: float = 0.0
+):
     """The start-up lines, given the bound port (the URL and a curl line to try)."""
 
     def lines(port: int) -> str:
@@ -262,7 +271,8 @@ def banner(name: str, spec: str | None, args: argparse.Namespace, keyed: bool):
         export = "  (export TANDEM_API_KEY=<the --api-key value> in that shell first)\n" \
             if keyed and not os.environ.get("TANDEM_API_KEY") else ""
         return (
-            f"tandem serve: {name} on {url} (speculation: {speculation})\n"
+            f"tandem serve: {name} on {url} (speculation: {speculation}"
+            f"{f'; warmed up in {warm_s:.1f} s' if warm_s else ''})\n"
             f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
             f"-d '{body}'\n{export}"
             f"  open {url}/ in a browser to chat"

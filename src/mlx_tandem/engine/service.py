@@ -16,9 +16,14 @@ Every request ends with exactly one final event, whatever happens:
     thread exits (joined) after destroying its MLX streams. An interpreter
     exit without `shutdown()` runs it first (atexit).
 
+`Engine(..., warm=True)` (what `tandem serve` builds) first runs `warm_up` on the core:
+one short request that leaves nothing behind, so the first user does not wait for MLX
+to build its kernels.
+
 Oracle: tests/test_service.py (fault injection: errors within a second, the
 next request succeeds; shutdown under load ends every handle; threads exit;
-async handles need no thread).
+async handles need no thread; the warm-up drafts and verifies, then leaves no
+counts, cache entries or depth observations, and the next requests match a cold engine's).
 """
 
 from __future__ import annotations
@@ -39,11 +44,12 @@ import mlx.core as mx
 from mlx_tandem.engine.config import RuntimeConfig
 from mlx_tandem.engine.constraint import GrammarCompiler
 from mlx_tandem.engine.core import EngineCore, EngineStats
-from mlx_tandem.engine.depth import DepthPolicy
+from mlx_tandem.engine.depth import DepthPolicy, FixedDepth
 from mlx_tandem.engine.draft_source import DraftSource
 from mlx_tandem.engine.request import EngineClosed, Request, RequestHandle, RequestOutput
 from mlx_tandem.engine.sampling import SamplingParams
 from mlx_tandem.engine.scheduler import Scheduler
+from mlx_tandem.kv.prefix_cache import PrefixStats
 from mlx_tandem.models.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -56,8 +62,10 @@ class Engine:
         config: RuntimeConfig | None = None,
         drafter: DraftSource | None = None,
         depth: DepthPolicy | None = None,
+        warm: bool = False,
     ) -> None:
         self.core = EngineCore(model, config, drafter, depth)
+        self.warm_up_s = warm_up(self.core) if warm else 0.0  # before the thread owns the core
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _in_transit and _closed against submit races
         self._in_transit = 0  # submitted, not yet seen by the engine thread
@@ -188,6 +196,36 @@ class Engine:
         finally:
             self._recovering = False
         return True
+
+
+# a prompt prompt lookup can draft from (any drafter does), so the warm-up also verifies
+WARM_UP_TEXT = "1 2 3 4 5 6 7 8 9 10 1 2 3 4 5 6 7 8 9 10 1 2 3 4"
+
+
+def warm_up(core: EngineCore) -> float:
+    """Run one short greedy request through the paths a first request takes (a packed
+    prefill, decode steps, a verify of two drafted tokens where the core has a drafter), so
+    MLX builds their kernels and traces before anyone waits on them, then forget it: the
+    speculation counters and prefix caches are as built, and the depth policy never saw it
+    (a fixed depth drafts meanwhile). On a fresh machine MLX's CPU backend compiles each
+    fused kernel with the system compiler the first time: `tandem serve`'s first 16-token
+    request took 8.9 s there, 1.3 s after a 7.9 s warm-up (0.5 s once the kernels are on
+    disk; docs/BENCHMARKS.md, session 32). Returns the seconds taken."""
+    assert not core.busy(), "warm up an idle engine"
+    start, depth = time.perf_counter(), core.depth
+    core.depth = FixedDepth(2)
+    try:
+        prompt = core.model.encode_text(WARM_UP_TEXT)
+        core.submit(prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        core.run_until_idle()
+    finally:
+        core.depth = depth
+        core.stats = EngineStats()
+        for cache in (core.scheduler.prefix_cache, core.scheduler.short_cache):
+            if cache is not None:
+                cache.clear()
+                cache.stats = PrefixStats()
+    return time.perf_counter() - start
 
 
 def release_memory() -> None:
