@@ -25,6 +25,7 @@ from mlx_tandem.drafters.factory import build_drafter
 from mlx_tandem.engine.config import RuntimeConfig
 from mlx_tandem.engine.core import EngineCore
 from mlx_tandem.engine.depth import FixedDepth
+from mlx_tandem.engine.service import warm_up
 from mlx_tandem.models.loader import load
 
 
@@ -61,6 +62,7 @@ def join_busy(
 
 def short_behind_long(model, config: RuntimeConfig, tokens: int) -> tuple[float, bool]:
     core = EngineCore(model, config)
+    warm_up(core)  # as `tandem serve` starts: MLX's kernels built (a fresh machine: ~8 s)
     big = core.submit(long_prompt(model, tokens), SamplingParams(max_tokens=1))
     begin = time.perf_counter()
     short = None
