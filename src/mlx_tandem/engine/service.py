@@ -198,7 +198,7 @@ class Engine:
         return True
 
 
-# a prompt prompt lookup can draft from (any drafter does), so the warm-up also verifies
+# a prompt that prompt lookup can draft from (every drafter can), so the warm-up verifies too
 WARM_UP_TEXT = "1 2 3 4 5 6 7 8 9 10 1 2 3 4 5 6 7 8 9 10 1 2 3 4"
 
 
