@@ -1,6 +1,10 @@
 """Where a rows-engine decode step spends its time, per batch size (plain decoding, no drafter).
 
     python bench/profile_step.py [--model smollm2-135m] [--batches 1 4 8 16] [--steps 20]
+                                 [--temp 0.7 --top-p 0.9]
+
+Rows decode greedily unless `--temp` > 0: then every row samples (seeded) with that
+temperature and top-p, and mlx-lm's step samples with `make_sampler` of the same settings.
 
 Per B it reports, in ms per step:
   * step      — EngineCore.step() as the engine runs it (one host read per step);
@@ -39,12 +43,16 @@ from mlx_tandem.kv.row_cache import RowKVCache
 from mlx_tandem.models.loader import load
 
 
-def ready_core(model, B: int, invariant: bool) -> EngineCore:
+def ready_core(
+    model, B: int, invariant: bool, temp: float = 0.0, top_p: float = 1.0
+) -> EngineCore:
     """A core with B rows decoding (prompts prefilled, a few warm-up steps taken)."""
     core = EngineCore(model, RuntimeConfig.resolve(max_rows=B, batch_invariant=invariant))
     for i in range(B):
         prompt = model.encode(PROMPTS[i % len(PROMPTS)])
-        core.submit(prompt, SamplingParams(max_tokens=4000, ignore_eos=True))
+        params = SamplingParams(max_tokens=4000, ignore_eos=True, temperature=temp,
+                                top_p=top_p, seed=i)
+        core.submit(prompt, params)
     while len(core.running) < B:
         core.step()
     for _ in range(3):
@@ -136,23 +144,29 @@ def attention_ms(core: EngineCore, steps: int) -> float:
     return 1000 * timer.total.get("attention", 0.0) / steps
 
 
-def mlx_lm_step_ms(model, B: int, steps: int) -> float:
-    """mlx-lm's batched decode step (BatchKVCache, fused attention) over B left-padded prompts."""
+def mlx_lm_step_ms(model, B: int, steps: int, temp: float = 0.0, top_p: float = 1.0) -> float:
+    """mlx-lm's batched decode step (BatchKVCache, fused attention) over B left-padded prompts,
+    its tokens picked as `batch_generate` picks them (log-softmax, then `make_sampler`'s)."""
     from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+    from mlx_lm.sample_utils import make_sampler
+
+    sampler = make_sampler(temp, top_p)
+
+    def pick(logits: mx.array) -> mx.array:
+        logprobs = logits[:, -1] - mx.logsumexp(logits[:, -1], axis=-1, keepdims=True)
+        return sampler(logprobs)[:, None]
 
     prompts = [model.encode(PROMPTS[i % len(PROMPTS)]) for i in range(B)]
     width = max(len(p) for p in prompts)
     padding = [width - len(p) for p in prompts]
     ids = mx.array([[0] * pad + p for p, pad in zip(prompts, padding, strict=True)])
     cache = [BatchKVCache(padding) for _ in make_prompt_cache(model.model)]
-    logits = model.model(ids, cache=cache)
-    token = mx.argmax(logits[:, -1], axis=-1)[:, None]
+    token = pick(model.model(ids, cache=cache))
     mx.eval(token)
     times = []
     for _ in range(steps + 3):
         start = time.perf_counter()
-        logits = model.model(token, cache=cache)
-        token = mx.argmax(logits[:, -1], axis=-1)[:, None]
+        token = pick(model.model(token, cache=cache))
         token.tolist()
         times.append(time.perf_counter() - start)
     return 1000 * statistics.median(times[3:])
@@ -164,21 +178,24 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--temp", type=float, default=0.0, help="0 = greedy rows")
+    ap.add_argument("--top-p", type=float, default=1.0)
     args = ap.parse_args()
     model = load(args.model, dtype=args.dtype, progress=False)
-    print(machine_line(f"rows-engine step profile, {model.name} ({model.dtype})"))
+    picks = "greedy" if args.temp == 0 else f"sampled, temp {args.temp}, top-p {args.top_p}"
+    print(machine_line(f"rows-engine step profile, {model.name} ({model.dtype}), {picks}"))
     cols = ("B", "step", "mlx-lm", "ratio", "forward", "attention", "padding", "head",
             "verify", "host")
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for B in args.batches:
-        core = ready_core(model, B, invariant=True)
+        core = ready_core(model, B, True, args.temp, args.top_p)
         total = step_ms(core, args.steps)
         split = phases(core, args.steps)
         attn = attention_ms(core, max(3, args.steps // 4))
-        loose = ready_core(model, B, invariant=False)
+        loose = ready_core(model, B, False, args.temp, args.top_p)
         padding = split["forward"] - phases(loose, args.steps)["forward"]
-        theirs = mlx_lm_step_ms(model, B, args.steps)
+        theirs = mlx_lm_step_ms(model, B, args.steps, args.temp, args.top_p)
         row = [B, total, theirs, theirs / total, split["forward"], attn, padding,
                split.get("head", 0.0), split["verify"], split["host"]]
         print("| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in row)

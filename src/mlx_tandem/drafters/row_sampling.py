@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_tandem.engine.request import Request
-from mlx_tandem.engine.sampling import PURPOSE_DRAFT, position_keys
+from mlx_tandem.engine.sampling import PURPOSE_DRAFT, keyed_picks, position_keys, softmax_weights
 
 
 class DraftRowSampling:
@@ -39,8 +39,9 @@ class DraftRowSampling:
             sl = rows[0].sampler.sample_logits(lp[mx.array(idx, dtype=mx.int32)])
             positions = np.array([[r.position + step] for r in rows])
             keys = position_keys([r.sampler.seed for r in rows], positions, PURPOSE_DRAFT)
-            draws = mx.vmap(lambda k, x: mx.random.categorical(x, key=k))(keys[:, 0], sl)
-            q = mx.softmax(sl.astype(mx.float32), axis=-1)
+            weights = softmax_weights(sl)  # q, unnormalised: the draws follow it exactly
+            draws = keyed_picks(keys[:, 0], weights)
+            q = weights / weights.sum(axis=-1, keepdims=True)
             for n, i in enumerate(idx):
                 tokens[i] = draws[n]
                 qs[i] = q[n : n + 1]

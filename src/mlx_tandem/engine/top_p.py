@@ -34,7 +34,9 @@ CANDIDATES = 1024  # tokens sorted per row; a nucleus wider than this sorts the 
 
 
 def top_p_filter(logprobs: mx.array, top_p: float, candidates: int = CANDIDATES) -> mx.array:
-    """logprobs (..., V) with every token below its row's top-p threshold set to -inf."""
+    """logprobs (..., V) with every token below its row's top-p threshold set to -inf. A row
+    may be shifted by a constant that keeps its top at most 0 (logits minus their max):
+    the rule compares masses with the row's own total."""
     width = logprobs.shape[-1]
     rows = logprobs.reshape(-1, width)
     threshold, fits = _threshold(rows, top_p, min(candidates, width))

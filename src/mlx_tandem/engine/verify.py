@@ -49,6 +49,7 @@ from mlx_tandem.engine.sampling import (
     PURPOSE_ACCEPT,
     PURPOSE_SAMPLE,
     keyed_draws,
+    keyed_picks,
     position_keys,
 )
 
@@ -153,13 +154,23 @@ def _logprobs(logits: mx.array) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
+def _sample_scores(requests: list[Request], logits: mx.array, lp: mx.array) -> mx.array:
+    """What sampled rows draw from, each row up to a constant (RowSampler.sample_logits):
+    rows with processors their logprobs, others their logits minus the max — sampling needs
+    no log-softmax, whose pass of `exp` over the vocabulary cost more than the draw."""
+    centered = logits - mx.max(logits, axis=-1, keepdims=True)
+    if not any(_processed(r) for r in requests):
+        return centered
+    return mx.stack([lp[i] if _processed(r) else centered[i] for i, r in enumerate(requests)])
+
+
 def _sampled(
-    requests: list[Request], lp: mx.array, drafts: list[list[int]], q: list[mx.array | None]
+    requests: list[Request], scores: mx.array, drafts: list[list[int]], q: list[mx.array | None]
 ) -> tuple[mx.array, mx.array, mx.array]:
     """For sampled rows: acceptance flags (n, K), residual draws (n, K), bonus draws (n, S)."""
-    n, S, V = lp.shape
+    n, S, V = scores.shape
     K = S - 1
-    logits = requests[0].sampler.sample_logits(lp)  # same filter_key for the whole group
+    logits = requests[0].sampler.sample_logits(scores)  # same filter_key for the whole group
     positions = np.array([[r.position + j for j in range(S)] for r in requests])
     seeds = [r.sampler.seed for r in requests]
     sample_keys = position_keys(seeds, positions, PURPOSE_SAMPLE)
@@ -190,7 +201,7 @@ def _sampled(
     residual = mx.maximum(p - q_full, 0.0)
     empty = residual.sum(axis=-1, keepdims=True) <= 0  # p == q: the draw is never used
     residual = mx.where(empty, p, residual)
-    draws = keyed_draws(sample_keys[:, :K].reshape(-1, 2), mx.log(residual).reshape(-1, V)).reshape(n, K)
+    draws = keyed_picks(sample_keys[:, :K].reshape(-1, 2), residual.reshape(-1, V)).reshape(n, K)
     fixed = mx.array([qi is None for qi in q])[:, None]
     accept = mx.where(fixed, own == d, accept_draft(u, p_d, q_d))
     draws = mx.where(fixed, own, draws.astype(mx.int32))
@@ -219,12 +230,16 @@ def verify(
         if not r.sampler.params.greedy:
             groups[r.sampler.filter_key].append(i)
     decided = {}
+    scores = _sample_scores(requests, logits, lp)  # lazy, as lp
     for idx in groups.values():
         ix = mx.array(idx, dtype=mx.int32)
         decided[tuple(idx)] = _sampled(
-            [requests[i] for i in idx], lp[ix], [drafts[i] for i in idx], [q[i] for i in idx]
+            [requests[i] for i in idx], scores[ix], [drafts[i] for i in idx], [q[i] for i in idx]
         )
-    if certified is None:
+    if sum(map(len, groups.values())) == len(requests):  # every row sampled: no greedy picks
+        picks = mx.zeros(logits.shape[:2], mx.uint32)
+        unsure = mx.zeros(logits.shape[:2], mx.bool_)
+    elif certified is None:
         picks, unsure = _greedy_picks(requests, logits, lp)
     else:
         picks, unsure = certified.picks, certified.unsure
