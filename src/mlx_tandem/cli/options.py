@@ -154,6 +154,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--memory-budget", default=None, help="KV-cache budget, e.g. 4G (default: auto)")
     p.add_argument(
+        "--buffer-cache",
+        default=None,
+        help="freed memory MLX keeps for reuse, e.g. 512M, or 0 (default: auto; on a CPU "
+        "min(1G, a 16th of memory): MLX's 32M makes a step fault in fresh pages)",
+    )
+    p.add_argument(
         "--batch-invariant",
         type=str2bool,
         default=None,
@@ -211,6 +217,7 @@ def runtime_config(args: argparse.Namespace):
         prefill_chunk=args.prefill_chunk,
         prefill_taper=getattr(args, "prefill_taper", None),
         memory_budget=memory_budget(args.memory_budget),
+        buffer_cache=buffer_cache(getattr(args, "buffer_cache", None)),
         batch_invariant=args.batch_invariant,
         kv_codec=kv_codec,
     )
@@ -226,6 +233,18 @@ def memory_budget(text: str | None) -> int | None:
         return parse_bytes(text)
     except ValueError as err:
         raise ValueError(f"--memory-budget: {err}") from None
+
+
+def buffer_cache(text: str | None) -> int | None:
+    """--buffer-cache in bytes, 0 or auto (None); ValueError naming the flag for a bad size."""
+    from mlx_tandem.engine.config import parse_cache_bytes
+
+    if not text:
+        return None
+    try:
+        return parse_cache_bytes(text)
+    except ValueError as err:
+        raise ValueError(f"--buffer-cache: {err}") from None
 
 
 def str2bool(value: str) -> bool:

@@ -17,6 +17,8 @@ validated here, before any engine state exists.
                               turbo-kKvV and their options (kv/codec.NAMES_HELP)
     TANDEM_PREFIX_CACHE_BYTES bytes of earlier prompts' chunks kept for reuse (kv/prefix_cache.py):
                               0 off (default here; `tandem serve` sizes it), "auto" from free memory
+    TANDEM_BUFFER_CACHE       MLX's buffer cache limit the engine sets: freed arrays kept for
+                              reuse, bytes or 0 (default auto: engine/scheduler.size_buffer_cache)
 
 There is no compiled-decode switch: with batch invariance on, the rows engine's
 one-token forwards run compiled segments between the attentions (engine/runner.py,
@@ -99,6 +101,7 @@ class RuntimeConfig:
     batch_invariant: bool = True
     kv_codec: str = "fp"
     prefix_cache_bytes: int | None = 0  # None: sized from free memory when the engine is built
+    buffer_cache: int | None = None  # None: auto (engine/scheduler.size_buffer_cache)
 
     def __post_init__(self) -> None:
         if self.max_rows < 1:
@@ -116,6 +119,8 @@ class RuntimeConfig:
         parse_codec(self.kv_codec)  # ValueError naming the known codecs
         if self.prefix_cache_bytes is not None and self.prefix_cache_bytes < 0:
             raise ValueError(f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
+        if self.buffer_cache is not None and self.buffer_cache < 0:
+            raise ValueError(f"buffer_cache must be >= 0, got {self.buffer_cache}")
 
     @classmethod
     def resolve(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> RuntimeConfig:
@@ -133,8 +138,11 @@ class RuntimeConfig:
                 values[f.name] = _bool(raw, name)
             elif f.name == "kv_codec":
                 values[f.name] = raw
-            elif f.name == "prefix_cache_bytes":
-                values[f.name] = parse_cache_bytes(raw)
+            elif f.name in ("prefix_cache_bytes", "buffer_cache"):
+                try:
+                    values[f.name] = parse_cache_bytes(raw)
+                except ValueError as err:
+                    raise ValueError(f"{name}: {err}") from None
             else:
                 try:
                     values[f.name] = int(raw)

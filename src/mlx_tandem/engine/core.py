@@ -54,6 +54,7 @@ from mlx_tandem.engine.scheduler import (
     default_budget,
     measure_memory,
     prefix_cache_budget,
+    size_buffer_cache,
 )
 from mlx_tandem.engine.verify import (
     TIE_MARGIN,
@@ -101,6 +102,7 @@ class EngineCore:
             model.tokenizer._tokenizer, model.graph.vocab_size, model.eos_token_ids
         )
         budget = self.config.memory_budget or default_budget(model)
+        self.buffer_cache = size_buffer_cache(self.config.buffer_cache)
         self.prefill_policy = PrefillPolicy.resolve(
             model.config, self.config, budget, device_kind()
         )

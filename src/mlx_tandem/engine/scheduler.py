@@ -9,10 +9,12 @@ layer's ring stops growing at its size);
 `default_budget` is half the device's memory minus the weights. The scheduler also
 holds the engine's prefix caches (kv/prefix_cache.py, None when off: long prompts' whole
 chunks, short prompts' whole pack units): what the KV
-budget leaves, `prefix_cache_budget` sizes it from.
+budget leaves, `prefix_cache_budget` sizes it from. `size_buffer_cache` sets how much
+freed memory MLX keeps for reuse.
 
 Oracle: tests/test_engine.py (budget limits concurrent rows; what cannot fit is
-refused at submit; every reservation is returned).
+refused at submit; every reservation is returned), tests/test_config.py (the buffer
+cache limit an engine sets).
 """
 
 from __future__ import annotations
@@ -140,6 +142,30 @@ def _weights(model: LoadedModel) -> int:
 def default_budget(model: LoadedModel) -> int:
     """Half of the device's memory, minus the weights, at least 256 MiB."""
     return max(256 << 20, _device_memory() // 2 - _weights(model))
+
+
+BUFFER_CACHE_MOST = 1 << 30  # the auto limit on the CPU backend: at most this, a 16th of memory
+
+
+def size_buffer_cache(requested: int | None) -> int | None:
+    """Set MLX's buffer cache limit (freed arrays kept for reuse) and return it (None: left
+    as it was): `requested` when given; else, on the CPU backend, min(BUFFER_CACHE_MOST, a 16th of memory) unless the
+    limit is higher already. MLX's CPU default keeps 32 MiB: a step's temporaries (several
+    of rows x vocabulary floats each) outgrow it, and each array past it is new memory from
+    malloc, first touched page by page — 270 page faults a token in a 16-row greedy SmolLM2
+    run here, 650 sampled, against ~30 above 256 MiB (docs/BENCHMARKS.md). GPU backends
+    keep freed buffers up to their memory limit already. The limit is the process's: MLX
+    has one allocator."""
+    if requested is not None:
+        mx.set_cache_limit(requested)
+        return requested
+    if mx.default_device() != mx.cpu:
+        return None
+    limit = min(BUFFER_CACHE_MOST, _device_memory() // 16)
+    previous = mx.set_cache_limit(limit)
+    if previous > limit:
+        mx.set_cache_limit(previous)
+    return max(limit, previous)
 
 
 def prefix_cache_budget(model: LoadedModel, kv_budget: int) -> int:
