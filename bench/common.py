@@ -23,13 +23,17 @@ def machine_line(title: str) -> str:
             f"{time.strftime('%Y-%m-%d %H:%M')}")
 
 
-def mlx_lm_batch(model, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """mlx-lm's `batch_generate`, greedy, n tokens per prompt with EOS ignored (as tandem's runs)."""
+def mlx_lm_batch(
+    model, prompts: list[list[int]], n: int, temp: float = 0.0, top_p: float = 1.0
+) -> list[list[int]]:
+    """mlx-lm's `batch_generate`, n tokens per prompt with EOS ignored (as tandem's runs),
+    greedy or with `make_sampler(temp, top_p)`."""
     from mlx_lm.generate import batch_generate
+    from mlx_lm.sample_utils import make_sampler
 
     with eos_ignored(model):
         out = batch_generate(model.model, model.tokenizer, prompts, max_tokens=n,
-                             return_token_ids=True)
+                             return_token_ids=True, sampler=make_sampler(temp, top_p))
     return out.token_ids
 
 
