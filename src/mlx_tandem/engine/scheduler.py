@@ -149,13 +149,13 @@ BUFFER_CACHE_MOST = 1 << 30  # the auto limit on the CPU backend: at most this, 
 
 def size_buffer_cache(requested: int | None) -> int | None:
     """Set MLX's buffer cache limit (freed arrays kept for reuse) and return it (None: left
-    as it was): `requested` when given; else, on the CPU backend, min(BUFFER_CACHE_MOST, a 16th of memory) unless the
-    limit is higher already. MLX's CPU default keeps 32 MiB: a step's temporaries (several
-    of rows x vocabulary floats each) outgrow it, and each array past it is new memory from
-    malloc, first touched page by page — 270 page faults a token in a 16-row greedy SmolLM2
-    run here, 650 sampled, against ~30 above 256 MiB (docs/BENCHMARKS.md). GPU backends
-    keep freed buffers up to their memory limit already. The limit is the process's: MLX
-    has one allocator."""
+    as it was): `requested` when given; else, on the CPU backend, min(BUFFER_CACHE_MOST, a
+    16th of memory) unless the limit is higher already. MLX's CPU default keeps 32 MiB: a
+    step's temporaries (several of rows x vocabulary floats each) outgrow it, and each array
+    past it is new memory from malloc, first touched page by page — 270 page faults a token
+    in a 16-row greedy SmolLM2 run here, 650 sampled, against ~30 above 256 MiB
+    (docs/BENCHMARKS.md). GPU backends keep freed buffers up to their memory limit already.
+    The limit is the process's: MLX has one allocator."""
     if requested is not None:
         mx.set_cache_limit(requested)
         return requested
