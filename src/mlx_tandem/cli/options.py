@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mlx_tandem.engine.config import BOOLEAN_WORDS, parse_bool
+from mlx_tandem.engine.config import BOOLEAN_WORDS, parse_bool, parse_bytes, parse_cache_bytes
 from mlx_tandem.engine.sampling import (
     Grammar,
     InvalidParameter,
@@ -225,26 +226,21 @@ def runtime_config(args: argparse.Namespace):
 
 def memory_budget(text: str | None) -> int | None:
     """--memory-budget in bytes (None: auto); ValueError naming the flag for a bad size."""
-    from mlx_tandem.engine.config import parse_bytes
-
-    if not text:
-        return None
-    try:
-        return parse_bytes(text)
-    except ValueError as err:
-        raise ValueError(f"--memory-budget: {err}") from None
+    return _flag_bytes("--memory-budget", text, parse_bytes)
 
 
 def buffer_cache(text: str | None) -> int | None:
     """--buffer-cache in bytes, 0 or auto (None); ValueError naming the flag for a bad size."""
-    from mlx_tandem.engine.config import parse_cache_bytes
+    return _flag_bytes("--buffer-cache", text, parse_cache_bytes)
 
+
+def _flag_bytes(flag: str, text: str | None, parse: Callable[[str], int | None]) -> int | None:
     if not text:
         return None
     try:
-        return parse_cache_bytes(text)
+        return parse(text)
     except ValueError as err:
-        raise ValueError(f"--buffer-cache: {err}") from None
+        raise ValueError(f"{flag}: {err}") from None
 
 
 def str2bool(value: str) -> bool:
