@@ -27,8 +27,9 @@ class DraftRowSampling:
         self, requests: list[Request], logits: mx.array, step: int
     ) -> tuple[mx.array, list[mx.array | None]]:
         """logits (B, V) for draft step `step` -> tokens (B,), q per row ((1, V) or None)."""
-        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        tokens = list(mx.argmax(lp, axis=-1))
+        # sampling is shift-invariant (RowSampler.sample_logits): no log-softmax over V
+        centered = logits - mx.max(logits, axis=-1, keepdims=True)
+        tokens = list(mx.argmax(logits, axis=-1))
         qs: list[mx.array | None] = [None] * len(requests)
         groups: dict[tuple, list[int]] = defaultdict(list)
         for i, r in enumerate(requests):
@@ -36,7 +37,7 @@ class DraftRowSampling:
                 groups[r.sampler.filter_key].append(i)
         for idx in groups.values():
             rows = [requests[i] for i in idx]
-            sl = rows[0].sampler.sample_logits(lp[mx.array(idx, dtype=mx.int32)])
+            sl = rows[0].sampler.sample_logits(centered[mx.array(idx, dtype=mx.int32)])
             positions = np.array([[r.position + step] for r in rows])
             keys = position_keys([r.sampler.seed for r in rows], positions, PURPOSE_DRAFT)
             weights = softmax_weights(sl)  # q, unnormalised: the draws follow it exactly

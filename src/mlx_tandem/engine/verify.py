@@ -231,10 +231,10 @@ def verify(
             groups[r.sampler.filter_key].append(i)
     decided = {}
     scores = _sample_scores(requests, logits, lp)  # lazy, as lp
-    for idx in groups.values():
-        ix = mx.array(idx, dtype=mx.int32)
+    for idx in groups.values():  # one group of every row (the usual case) needs no gather
+        rows = scores if len(idx) == len(requests) else scores[mx.array(idx, dtype=mx.int32)]
         decided[tuple(idx)] = _sampled(
-            [requests[i] for i in idx], scores[ix], [drafts[i] for i in idx], [q[i] for i in idx]
+            [requests[i] for i in idx], rows, [drafts[i] for i in idx], [q[i] for i in idx]
         )
     if sum(map(len, groups.values())) == len(requests):  # every row sampled: no greedy picks
         picks = mx.zeros(logits.shape[:2], mx.uint32)
