@@ -6,9 +6,10 @@ step where its family is covered, engine/compiled_step.py) and of `decode_steps(
 (the eager step), greedy, N tokens, alternating runs in one process, median of --repeats.
 Prints a Markdown table with tandem/mlx-lm ratios, the load average, and whether the tokens
 and every step's logprobs were identical to mlx-lm's. `floor ms` is the step's matmuls alone
-(every 2-D weight times a one-token vector, chained as in a step, nothing else): no step that
-keeps these BLAS calls can beat it, so mlx-lm's step / floor bounds the ratio any exact
-plain path can reach on this machine.
+(every product tandem's compiled step makes — a layer's stacked q/k/v and gate/up as one,
+models/fused.py, every other 2-D weight on its own — times a one-token vector, chained as
+in a step, nothing else): no step that keeps these BLAS calls can beat it, so mlx-lm's
+step / floor bounds the ratio any exact plain path can reach on this machine.
 
     .venv/bin/python bench/plain_decode.py --tokens 128 --repeats 3
 """
@@ -59,9 +60,18 @@ def timed(steps, n: int) -> tuple[float, float, list[int], mx.array]:
     return first - start, (n - 1) / (end - first), tokens, mx.stack(logprobs)
 
 
-def matmul_floor_ms(model, repeats: int = 9) -> float:
-    """Median ms of one chain of one-token products with every 2-D weight of the model."""
-    weights = [w for _, w in tree_flatten(model.parameters()) if w.ndim == 2]
+def matmul_floor_ms(model, fused=None, repeats: int = 9) -> float:
+    """Median ms of one chain of one-token products: each stack of `fused` (a graph's
+    stacked projections) and every other 2-D weight of the model."""
+    stacks, stacked = [], set()
+    for i, fusion in enumerate(fused or ()):
+        for stack, owner, names in ((fusion.qkv, "self_attn", ("q_proj", "k_proj", "v_proj")),
+                                    (fusion.gate_up, "mlp", ("gate_proj", "up_proj"))):
+            if stack is not None:
+                stacks.append(stack.weight)
+                stacked |= {f".layers.{i}.{owner}.{name}.weight" for name in names}
+    weights = [w for k, w in tree_flatten(model.parameters())
+               if w.ndim == 2 and not any(k.endswith(s) for s in stacked)] + stacks
     if any(w.dtype not in (mx.float32, mx.float16, mx.bfloat16) for w in weights):
         return float("nan")  # quantized: products are not plain matmuls
     xs = {w.shape[1]: mx.random.normal((1, 1, w.shape[1])).astype(w.dtype) for w in weights}
@@ -103,7 +113,7 @@ def bench(name: str, dtype: str, n: int, repeats: int) -> dict:
             same &= tokens == ref_tokens and mx.array_equal(logprobs, ref_logprobs).item()
     med = {k: tuple(statistics.median(x[i] for x in v[1:]) for i in range(2))
            for k, v in results.items()}
-    floor = matmul_floor_ms(model.model)
+    floor = matmul_floor_ms(model.model, model.graph.fused)
     return {"model": name, "dtype": dtype, "prompt": len(prompt), "identical": same,
             "floor": floor, **med}
 

@@ -5,7 +5,10 @@ every step, so they stay eager, run by mlx-lm's own cache and SDPA code); everyt
 between two attentions (o-projection, residuals, norms, MLP, the next layer's
 norm, q/k/v projections and RoPE) has fixed shapes for a given (rows, tokens) and runs
 as one `mx.compile`d segment. Same primitives, same order: compiling only fuses the
-element-wise ones, and the tests check the result is bit-identical to mlx-lm.
+element-wise ones, and the tests check the result is bit-identical to mlx-lm. The plain
+step makes one product for a layer's q/k/v and one for its gate/up where the model's
+projections are stacked (models/fused.py: probed to give each output its own product's
+bits), which saves BLAS's per-call cost three times a layer.
 
 Families with a known layer layout only (mlx-lm's llama and gemma3_text) and mlx-lm's
 own KV caches; anything else gets `None` and the caller keeps the eager step. The
@@ -38,44 +41,60 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import gemma3_text, llama
+from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from mlx_tandem.kv.attention import BlockMode, Ragged
 from mlx_tandem.kv.row_cache import RowKVCache
+from mlx_tandem.models.fused import LayerFusion, Stack
 from mlx_tandem.models.graph import MlxLmGraph
 
 Segment = Callable[..., Any]
 TRACED_SHAPES = 64  # traces kept per segment set (~1.3 MB each for SmolLM2); then rebuilt
 
 
-def _qkv(attn: nn.Module, x: mx.array, norms: bool) -> tuple[mx.array, mx.array, mx.array]:
+def _qkv(
+    attn: nn.Module, x: mx.array, norms: bool, stack: Stack | None
+) -> tuple[mx.array, mx.array, mx.array]:
     B, L, _ = x.shape
-    q = attn.q_proj(x).reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3)
-    k = attn.k_proj(x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-    v = attn.v_proj(x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    q, k, v = stack(x) if stack else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
+    q = q.reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3)
+    k = k.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    v = v.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
     if norms:
         q, k = attn.q_norm(q), attn.k_norm(k)
     return q, k, v
 
 
-def _pre(layer: nn.Module, x: mx.array, offset: mx.array, norms: bool) -> tuple[mx.array, ...]:
+def _pre(
+    layer: nn.Module, x: mx.array, offset: mx.array, norms: bool, fusion: LayerFusion
+) -> tuple[mx.array, ...]:
     attn = layer.self_attn
-    q, k, v = _qkv(attn, layer.input_layernorm(x), norms)
+    q, k, v = _qkv(attn, layer.input_layernorm(x), norms, fusion.qkv)
     return x, attn.rope(q, offset=offset), attn.rope(k, offset=offset), v
 
 
-def _post_llama(layer: nn.Module, x: mx.array, o: mx.array) -> mx.array:
+def _post_llama(layer: nn.Module, x: mx.array, o: mx.array, fusion: LayerFusion) -> mx.array:
     B, L, _ = x.shape
     h = x + layer.self_attn.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    y, mlp = layer.post_attention_layernorm(h), layer.mlp
+    if fusion.gate_up is None:
+        return h + mlp(y)
+    gate, up = fusion.gate_up(y)
+    return h + mlp.down_proj(swiglu(gate, up))  # llama.MLP's expression
 
 
-def _post_gemma3(layer: nn.Module, x: mx.array, o: mx.array) -> mx.array:
+def _post_gemma3(layer: nn.Module, x: mx.array, o: mx.array, fusion: LayerFusion) -> mx.array:
     B, L, _ = x.shape
     r = layer.self_attn.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
     h = gemma3_text.clip_residual(x, layer.post_attention_layernorm(r))
-    r = layer.mlp(layer.pre_feedforward_layernorm(h))
+    y, mlp = layer.pre_feedforward_layernorm(h), layer.mlp
+    if fusion.gate_up is None:
+        r = mlp(y)
+    else:
+        gate, up = fusion.gate_up(y)
+        r = mlp.down_proj(nn.gelu_approx(gate) * up)  # gemma3_text.MLP's expression
     return gemma3_text.clip_residual(h, layer.post_feedforward_layernorm(r))
 
 
@@ -93,21 +112,25 @@ class CompiledStep:
         layers = backbone.layers
         norms = kind == "gemma3"
         post = _post_gemma3 if norms else _post_llama
+        # the plain step makes one product per stack; the rows engine's projections are planned
+        unfused = LayerFusion(None, None)
+        fused = graph.fused if not rows and graph.fused else (unfused,) * len(layers)
 
         def first(ids: mx.array, offset: mx.array) -> tuple[mx.array, ...]:
             h = backbone.embed_tokens(ids)
             if norms:  # Gemma3Model scales the embeddings (same expression)
                 h = h * mx.array(backbone.args.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
-            return _pre(layers[0], h, offset, norms)
+            return _pre(layers[0], h, offset, norms, fused[0])
 
         def between(i: int) -> Segment:
             def seg(x: mx.array, o: mx.array, offset: mx.array) -> tuple[mx.array, ...]:
-                return _pre(layers[i + 1], post(layers[i], x, o), offset, norms)
+                return _pre(layers[i + 1], post(layers[i], x, o, fused[i]), offset, norms,
+                            fused[i + 1])
 
             return seg
 
         def last(x: mx.array, o: mx.array) -> mx.array:
-            hidden = backbone.norm(post(layers[-1], x, o))
+            hidden = backbone.norm(post(layers[-1], x, o, fused[-1]))
             return hidden if rows else graph.project_logits(hidden, "last")[:, -1, :]
 
         plain: list[Segment] = [first, *(between(i) for i in range(len(layers) - 1)), last]

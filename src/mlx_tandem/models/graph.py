@@ -22,6 +22,8 @@ from typing import Any, Literal, Protocol
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_tandem.models.fused import LayerFusion, fuse_projections
+
 Which = Literal["last", "all"] | mx.array
 
 
@@ -58,6 +60,7 @@ class MlxLmGraph:
     vocab_size: int
     backbone: nn.Module
     embedding: nn.Module  # the token embedding (its dtype is the hidden states' dtype)
+    fused: tuple[LayerFusion, ...] | None = None  # stacked projections (models/fused.py)
 
     def forward_hidden(self, ids: mx.array, caches: list[Any] | None) -> mx.array:
         return self.backbone(ids, cache=caches)
@@ -135,8 +138,11 @@ def _given(self: nn.Module, hidden: mx.array, *args: Any, **kwargs: Any) -> mx.a
     return hidden
 
 
-def bind_graph(model: nn.Module) -> MlxLmGraph:
-    """Bind an mlx-lm model; raises ValueError for a model whose backbone cannot be found."""
+def bind_graph(model: nn.Module, fuse: bool = False) -> MlxLmGraph:
+    """Bind an mlx-lm model; raises ValueError for a model whose backbone cannot be found.
+    `fuse`: stack its projections for the plain compiled step (models/fused.py), rebinding
+    their weights to views: the loaded model's binding only (a copy of the module tree made
+    later shares the views; one made earlier would keep the separate arrays alive)."""
     path = backbone_path(model)
     backbone: Any = model
     for name in path:
@@ -157,4 +163,5 @@ def bind_graph(model: nn.Module) -> MlxLmGraph:
         vocab_size=int(vocab),
         backbone=backbone,
         embedding=embedding,
+        fused=fuse_projections(backbone) if fuse else None,
     )

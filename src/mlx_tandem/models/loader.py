@@ -336,7 +336,7 @@ def load_folder(
         model=model,
         tokenizer=tokenizer,
         config=config,
-        graph=bind_graph(model),
+        graph=bind_graph(model, fuse=True),
         dtype=dtype,
     )
 
