@@ -56,8 +56,25 @@ def test_the_plain_path_on_stacks_equals_mlx_lm_on_an_unfused_twin(tiny_model, a
     assert _same(_plain(m.graph), theirs)
     # control: the compiled step reads the stacks (one of them off by a little: not the same)
     off = list(m.graph.fused)
-    off[1] = LayerFusion(Stack(off[1].qkv.weight * 1.01, off[1].qkv.splits), off[1].gate_up)
+    qkv = off[1].qkv
+    off[1] = LayerFusion(dataclasses.replace(qkv, weight=qkv.weight * 1.01), off[1].gate_up)
     assert not _same(_plain(dataclasses.replace(m.graph, fused=tuple(off))), theirs)
+
+
+def test_a_stack_whose_weights_were_replaced_is_not_used(tiny_model):
+    m = tiny_model("llama", seed=3)
+    twin, _ = load_model(m.path)
+    attn = m.graph.backbone.layers[0].self_attn
+    assert m.graph.fused[0].qkv.live()
+    original = attn.k_proj.weight
+    try:
+        attn.k_proj.weight = original * 1.01  # load_weights would rebind it the same way
+        twin.model.layers[0].self_attn.k_proj.weight = original * 1.01
+        assert not m.graph.fused[0].qkv.live()
+        theirs = list(generate_step(mx.array(PROMPT), twin, max_tokens=24))
+        assert _same(_plain(m.graph), theirs)  # the stale stack would read the old k weights
+    finally:
+        attn.k_proj.weight = original
 
 
 def test_the_probe_refuses_a_stack_a_little_off(tiny_model):

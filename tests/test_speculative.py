@@ -248,6 +248,30 @@ def test_lookup_finds_the_latest_longest_match():
     assert lookup(t, 0) == []
 
 
+def _lookup_by_windows(tokens, k, n_min, n_max):
+    """The definition, spelled out: every window of n earlier tokens compared with the suffix."""
+    size = len(tokens)
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: size - 1], n)
+        hits = np.flatnonzero((windows == tokens[size - n :]).all(axis=1))
+        if hits.size:
+            return tokens[int(hits[-1]) + n : int(hits[-1]) + n + k].tolist()
+    return []
+
+
+def test_lookup_equals_the_window_by_window_search():
+    rng = np.random.default_rng(0)
+    found = 0
+    for trial in range(3000):
+        tokens = rng.integers(0, 2 + trial % 7, rng.integers(2, 40))
+        n_min = int(rng.integers(1, 4))
+        n_max = int(rng.integers(n_min, 5))
+        want = _lookup_by_windows(tokens, 4, n_min, n_max)
+        assert lookup(tokens, 4, n_min, n_max) == want, (tokens.tolist(), n_min, n_max)
+        found += bool(want)
+    assert 1000 < found < 2900  # both kinds of rows were tried
+
+
 # --- the output distribution -------------------------------------------------------------
 V, N, PROMPT = 5, 8000, [1, 3, 2]
 

@@ -1,9 +1,10 @@
 """Prompt-lookup drafting: propose what followed the last earlier occurrence of the row's suffix.
 
 For n from n_max down to n_min, the row's last n tokens (prompt + output) are
-searched among its earlier tokens with one vectorised comparison over all
-windows (numpy sliding windows); the most recent match wins and the up to k
-tokens that followed it are proposed. No match: zero proposals. Proposals are
+searched among its earlier tokens: one vectorised comparison over the row finds
+where its last token occurred before, and each longer suffix keeps those of them
+preceded by its next token back; the most recent match of the longest suffix wins
+and the up to k tokens that followed it are proposed. No match: zero proposals. Proposals are
 deterministic (q is one-hot). The drafter is stateless beyond each request's
 own token list, so membership changes need no work.
 
@@ -26,13 +27,15 @@ def lookup(tokens: np.ndarray, k: int, n_min: int = 1, n_max: int = 3) -> list[i
     size = len(tokens)
     if k <= 0 or size < 2:
         return []
+    # every earlier occurrence of a suffix ends where the last token occurred before: one
+    # comparison over the row finds those places, each longer suffix keeps some of them
+    ends = np.flatnonzero(tokens[: size - 1] == tokens[-1])
     for n in range(min(n_max, size - 1), n_min - 1, -1):
-        suffix = tokens[size - n :]
-        # windows starting at 0 .. size-n-1 (excluding the suffix itself)
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[: size - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        hits = ends[ends >= n - 1]  # the occurrence starts at or after 0
+        for back in range(1, n):
+            hits = hits[tokens[hits - back] == tokens[size - 1 - back]]
         if hits.size:
-            start = int(hits[-1]) + n
+            start = int(hits[-1]) + 1
             return tokens[start : start + k].tolist()
     return []
 

@@ -10,6 +10,8 @@ BLAS that sums each output over the input features the same way whatever the num
 outputs: OpenBLAS here; the probe checks the BLAS and device it runs on, layer by layer,
 before that layer changes) and that the slices give the separate products' bits too.
 Plain Linear layers without bias only; anything else keeps its projections (`None`).
+A stack is used only while every Linear still holds the view it was given (`Stack.live`):
+weights replaced after loading (`load_weights`) turn that layer's products back into its own.
 
 Oracle: tests/test_fused.py (stacks are views, probed; the plain path on a fused model ==
 mlx-lm on an unfused twin, bit for bit; control: a stack a little off is refused).
@@ -30,9 +32,15 @@ class Stack:
 
     weight: mx.array  # (sum of the projections' outputs, input features)
     splits: tuple[int, ...]  # where each projection's outputs end, but the last
+    parts: tuple[nn.Module, ...] = ()  # the Linear layers whose weights are its views
+    views: tuple[mx.array, ...] = ()
 
     def __call__(self, x: mx.array) -> list[mx.array]:
         return mx.split(x @ self.weight.T, list(self.splits), axis=-1)
+
+    def live(self) -> bool:
+        """Whether every part still holds its view (its weight was not replaced since)."""
+        return all(p.weight is v for p, v in zip(self.parts, self.views, strict=True))
 
 
 @dataclass(frozen=True)
@@ -69,14 +77,21 @@ def _stack(parts: list[nn.Module | None]) -> Stack | None:
     if len({(w.shape[1], w.dtype) for w in weights}) != 1:
         return None
     ends = list(itertools.accumulate(w.shape[0] for w in weights))
-    stack = Stack(mx.concatenate(weights), tuple(ends[:-1]))
-    views = [stack.weight[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
-    mx.eval(stack.weight, views)
-    if not agrees(stack, weights, views):
+    stacked = mx.concatenate(weights)
+    views = tuple(stacked[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True))
+    mx.eval(stacked, views)
+    stack = Stack(stacked, tuple(ends[:-1]), tuple(parts), views)
+    if not agrees(stack, weights, list(views)):
         return None
     for part, view in zip(parts, views, strict=True):
         part.weight = view
     return stack
+
+
+def live(fusion: LayerFusion) -> LayerFusion:
+    """The fusion without any stack whose parts' weights were replaced since."""
+    return LayerFusion(*(s if s is not None and s.live() else None
+                         for s in (fusion.qkv, fusion.gate_up)))
 
 
 def agrees(stack: Stack, weights: list[mx.array], views: list[mx.array]) -> bool:
