@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # holds arrays: compared by identity
 class Stack:
     """Several projections' weights stacked by rows; `__call__` returns each one's output."""
 
@@ -43,7 +43,7 @@ class Stack:
         return all(p.weight is v for p, v in zip(self.parts, self.views, strict=True))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # holds arrays: compared by identity
 class LayerFusion:
     qkv: Stack | None
     gate_up: Stack | None
