@@ -63,15 +63,10 @@ def timed(steps, n: int) -> tuple[float, float, list[int], mx.array]:
 def matmul_floor_ms(model, fused=None, repeats: int = 9) -> float:
     """Median ms of one chain of one-token products: each stack of `fused` (a graph's
     stacked projections) and every other 2-D weight of the model."""
-    stacks, stacked = [], set()
-    for i, fusion in enumerate(fused or ()):
-        for stack, owner, names in ((fusion.qkv, "self_attn", ("q_proj", "k_proj", "v_proj")),
-                                    (fusion.gate_up, "mlp", ("gate_proj", "up_proj"))):
-            if stack is not None:
-                stacks.append(stack.weight)
-                stacked |= {f".layers.{i}.{owner}.{name}.weight" for name in names}
-    weights = [w for k, w in tree_flatten(model.parameters())
-               if w.ndim == 2 and not any(k.endswith(s) for s in stacked)] + stacks
+    stacks = [s for f in fused or () for s in (f.qkv, f.gate_up) if s is not None]
+    views = {id(v) for s in stacks for v in s.views}  # weights the stacks' products cover
+    weights = [w for _, w in tree_flatten(model.parameters())
+               if w.ndim == 2 and id(w) not in views] + [s.weight for s in stacks]
     if any(w.dtype not in (mx.float32, mx.float16, mx.bfloat16) for w in weights):
         return float("nan")  # quantized: products are not plain matmuls
     xs = {w.shape[1]: mx.random.normal((1, 1, w.shape[1])).astype(w.dtype) for w in weights}

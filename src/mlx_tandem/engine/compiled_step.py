@@ -47,7 +47,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from mlx_tandem.kv.attention import BlockMode, Ragged
 from mlx_tandem.kv.row_cache import RowKVCache
-from mlx_tandem.models.fused import LayerFusion, Stack, live
+from mlx_tandem.models.fused import LayerFusion, Stack
 from mlx_tandem.models.graph import MlxLmGraph
 
 Segment = Callable[..., Any]
@@ -114,7 +114,7 @@ class CompiledStep:
         post = _post_gemma3 if norms else _post_llama
         # the plain step makes one product per stack; the rows engine's projections are planned
         unfused = LayerFusion(None, None)
-        fused = (tuple(live(f) for f in graph.fused) if not rows and graph.fused
+        fused = (tuple(f.live() for f in graph.fused) if not rows and graph.fused
                  else (unfused,) * len(layers))
 
         def first(ids: mx.array, offset: mx.array) -> tuple[mx.array, ...]:

@@ -230,7 +230,7 @@ def verify(
         if not r.sampler.params.greedy:
             groups[r.sampler.filter_key].append(i)
     decided = {}
-    scores = _sample_scores(requests, logits, lp)  # lazy, as lp
+    scores = _sample_scores(requests, logits, lp) if groups else None  # lazy, as lp
     for idx in groups.values():  # one group of every row (the usual case) needs no gather
         rows = scores if len(idx) == len(requests) else scores[mx.array(idx, dtype=mx.int32)]
         decided[tuple(idx)] = _sampled(

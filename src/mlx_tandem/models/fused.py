@@ -48,6 +48,11 @@ class LayerFusion:
     qkv: Stack | None
     gate_up: Stack | None
 
+    def live(self) -> LayerFusion:
+        """This fusion without any stack whose parts' weights were replaced since."""
+        return LayerFusion(*(s if s is not None and s.live() else None
+                             for s in (self.qkv, self.gate_up)))
+
 
 def fuse_projections(backbone: nn.Module) -> tuple[LayerFusion, ...] | None:
     """Stack every layer's q/k/v and gate/up projections where the probe allows (rebinding
@@ -87,11 +92,6 @@ def _stack(parts: list[nn.Module | None]) -> Stack | None:
         part.weight = view
     return stack
 
-
-def live(fusion: LayerFusion) -> LayerFusion:
-    """The fusion without any stack whose parts' weights were replaced since."""
-    return LayerFusion(*(s if s is not None and s.live() else None
-                         for s in (fusion.qkv, fusion.gate_up)))
 
 
 def agrees(stack: Stack, weights: list[mx.array], views: list[mx.array]) -> bool:
